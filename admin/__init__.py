@@ -1,0 +1,1 @@
+"""Operator console: stats, charts, flush and version bump, authentication."""

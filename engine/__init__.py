@@ -1,0 +1,1 @@
+"""Inference engine: models, canonical inputs, cache keys and the tiered cache."""

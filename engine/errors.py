@@ -1,0 +1,47 @@
+"""The project's exception tree. Boundaries (UI, HTTP) translate these in one place.
+
+InferenceCacheError
+ ├── InvalidInputError      the caller's input is unusable; safe to show, safe to cache
+ ├── ModelError             the model failed on a valid input; never cached
+ │    └── ModelLoadError    weights missing or not matching the architecture
+ └── CacheUnavailableError  a cache tier cannot be reached (handled inside the engine)
+"""
+
+from __future__ import annotations
+
+
+class InferenceCacheError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class InvalidInputError(InferenceCacheError):
+    """The input cannot be classified. `message` is written for the end user.
+
+    `code` is a stable machine-readable reason (e.g. ``"image_too_large"``) used in
+    logs, metrics and negative cache entries.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, InvalidInputError) and other.code == self.code and other.message == self.message
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.code, self.message))
+
+
+class ModelError(InferenceCacheError):
+    """The model failed on an input that passed validation."""
+
+
+class ModelLoadError(ModelError):
+    """Weights could not be loaded onto the architecture."""
+
+
+class CacheUnavailableError(InferenceCacheError):
+    """A cache tier (Redis) is down, slow or switched off."""

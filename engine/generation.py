@@ -1,0 +1,115 @@
+"""The cache generation ("cache version"): an operator-controlled integer in every key.
+
+With Redis it lives under one key (the only key without a TTL) and a background
+watcher re-reads it every `refresh_s`, so a bump by any replica reaches every
+other within about that delay. Without Redis it is a local integer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from engine.errors import CacheUnavailableError
+from storage.redis_store import RedisStore
+
+log = logging.getLogger(__name__)
+
+GenerationListener = Callable[[int, int], None]
+
+
+class LocalGeneration:
+    """Generation for a single process with no shared store."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+        self._listeners: list[GenerationListener] = []
+
+    @property
+    def current(self) -> int:
+        return self._value
+
+    def subscribe(self, listener: GenerationListener) -> None:
+        self._listeners.append(listener)
+
+    def bump(self) -> int:
+        with self._lock:
+            old, self._value = self._value, self._value + 1
+            new = self._value
+        for listener in self._listeners:
+            listener(old, new)
+        return new
+
+    def refresh(self) -> int:
+        return self._value
+
+    def close(self) -> None:
+        pass
+
+
+class RedisGeneration:
+    """Generation shared through Redis, polled by one owned background thread."""
+
+    def __init__(self, store: RedisStore, *, key: str, refresh_s: float) -> None:
+        self._store = store
+        self._key = key
+        self._refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._value = 0
+        self._listeners: list[GenerationListener] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def current(self) -> int:
+        return self._value
+
+    def subscribe(self, listener: GenerationListener) -> None:
+        self._listeners.append(listener)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        try:
+            self.refresh()
+        except CacheUnavailableError:
+            log.warning("Redis unreachable at start-up; generation %s until it answers", self._value)
+        self._thread = threading.Thread(target=self._watch, name="generation-watcher", daemon=True)
+        self._thread.start()
+
+    def _set(self, value: int) -> None:
+        with self._lock:
+            old, self._value = self._value, value
+        if old != value:
+            log.info("cache generation %s -> %s", old, value)
+            for listener in self._listeners:
+                listener(old, value)
+
+    def refresh(self) -> int:
+        """Read the shared value now (raises CacheUnavailableError when Redis is down)."""
+        self._set(self._store.get_int(self._key))
+        return self._value
+
+    def bump(self) -> int:
+        """Increment the shared generation; raises CacheUnavailableError if Redis is down,
+        because a bump other replicas cannot see would split the fleet."""
+        new = self._store.incr(self._key)
+        self._set(new)
+        return new
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._refresh_s):
+            try:
+                self.refresh()
+            except CacheUnavailableError:
+                pass  # the breaker records it; the watcher doubles as Redis's health probe
+            except Exception:  # keep watching whatever happens; never kill the thread
+                log.exception("generation watcher failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

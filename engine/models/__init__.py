@@ -1,0 +1,1 @@
+"""Classifiers behind one small interface (see `base.Classifier`)."""

@@ -1,0 +1,56 @@
+"""The interface every classifier follows, and the shape of its answers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+TOP_K = 5
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Top classes, best first, with probabilities. Plain Python values only, so it
+    round-trips exactly through JSON or msgpack and compares byte-identical."""
+
+    labels: tuple[tuple[str, float], ...]
+
+    @property
+    def top_label(self) -> str:
+        return self.labels[0][0]
+
+    def as_label_value(self) -> dict[str, float]:
+        """The value a `gr.Label` takes: class name -> confidence."""
+        return dict(self.labels)
+
+    def to_plain(self) -> list[list[Any]]:
+        return [[name, score] for name, score in self.labels]
+
+    @classmethod
+    def from_plain(cls, value: Any) -> Prediction:
+        if not isinstance(value, list | tuple) or not value:
+            raise ValueError("prediction must be a non-empty list")
+        labels = []
+        for item in value:
+            name, score = item
+            if not isinstance(name, str) or not isinstance(score, float):
+                raise ValueError("prediction items must be [str, float]")
+            labels.append((name, score))
+        return cls(tuple(labels))
+
+
+@runtime_checkable
+class Classifier(Protocol):
+    """A loaded model. `version` digests everything that changes outputs."""
+
+    task: str  # "image" or "text"
+    name: str
+    version: str
+    device: str
+
+    def canonicalize(self, raw: Any) -> Any:
+        """Validate a raw input and return its canonical form (raises InvalidInputError)."""
+
+    def predict_batch(self, inputs: Sequence[Any]) -> list[Prediction]:
+        """Classify canonical inputs; one Prediction per input, same order."""

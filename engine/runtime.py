@@ -1,0 +1,137 @@
+"""The composition root: builds every long-lived resource from Settings, owns them,
+and closes them in reverse order. `app.py`, tests and benchmarks all start here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.generation import LocalGeneration, RedisGeneration
+from engine.models.base import Classifier
+from engine.service import CachePolicy, InferenceEngine
+from settings import Settings
+from storage.breaker import CircuitBreaker
+from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
+from storage.memory import MemoryStore
+from storage.redis_store import RedisStore, make_client
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[Settings], Mapping[str, Classifier]]
+
+
+def load_models(settings: Settings) -> dict[str, Classifier]:
+    """The two real models, loaded once (import is cheap; this is not)."""
+    from engine.models.image import ImageClassifier
+    from engine.models.text import TextClassifier
+
+    return {
+        "image": ImageClassifier(
+            device=settings.device,
+            half_precision=settings.half_precision,
+            max_upload_bytes=settings.max_upload_bytes,
+            max_image_pixels=settings.max_image_pixels,
+        ),
+        "text": TextClassifier(device=settings.device, max_text_chars=settings.max_text_chars),
+    }
+
+
+@dataclass
+class Runtime:
+    """Everything the app runs on. Use as a context manager, or call close()."""
+
+    settings: Settings
+    engine: InferenceEngine
+    l2_url: str | None
+    _stack: ExitStack = field(repr=False)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _redacted(url: str) -> str:
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def build_runtime(
+    settings: Settings,
+    *,
+    models: Mapping[str, Classifier] | None = None,
+    model_factory: ModelFactory = load_models,
+) -> Runtime:
+    stack = ExitStack()
+    try:
+        loaded = dict(models) if models is not None else dict(model_factory(settings))
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        l2_url, notice = _resolve_l2(settings, stack)
+
+        l1 = MemoryStore(max_bytes=settings.cache_l1_max_bytes, default_ttl_s=settings.cache_l1_ttl_s)
+        l2: RedisStore | None = None
+        generation: LocalGeneration | RedisGeneration
+        if l2_url is None:
+            generation = LocalGeneration()
+        else:
+            breaker = CircuitBreaker(
+                failure_threshold=settings.breaker_failure_threshold,
+                reset_s=settings.breaker_reset_s,
+            )
+            client = make_client(l2_url, socket_timeout_s=settings.redis_socket_timeout_s)
+            l2 = RedisStore(client, prefix=settings.cache_prefix, breaker=breaker)
+            stack.callback(l2.close)
+            generation = RedisGeneration(
+                l2, key=f"{settings.cache_prefix}:meta:generation", refresh_s=settings.generation_refresh_s
+            )
+        policy = CachePolicy(
+            prefix=settings.cache_prefix,
+            l1_ttl_s=settings.cache_l1_ttl_s,
+            l2_ttl_s=settings.cache_ttl_s,
+            negative_ttl_s=settings.cache_negative_ttl_s,
+        )
+        engine = InferenceEngine(
+            models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice
+        )
+        if isinstance(generation, RedisGeneration):
+            generation.start()
+        stack.callback(generation.close)  # closed before the store it polls
+        return Runtime(settings=settings, engine=engine, l2_url=l2_url, _stack=stack)
+    except BaseException:
+        stack.close()
+        raise
+
+
+def _resolve_l2(settings: Settings, stack: ExitStack) -> tuple[str | None, str | None]:
+    """Returns (redis URL or None, a notice for operators when L2 is not in use)."""
+    if settings.l2_disabled:
+        return None, "L2 is disabled (REDIS_URL=off): answers are cached in this process only."
+    if settings.redis_url:
+        log.info("L2: Redis at %s", _redacted(settings.redis_url))
+        return settings.redis_url, None
+    if find_redis_server() is None:
+        notice = (
+            "redis-server is not installed and REDIS_URL is not set: running with the "
+            "in-process cache only. Install redis-server or set REDIS_URL to share results."
+        )
+        log.warning(notice)
+        return None, notice
+    embedded = EmbeddedRedis(data_dir=settings.data_dir, maxmemory_mb=settings.redis_maxmemory_mb)
+    try:
+        url = embedded.start()
+    except EmbeddedRedisError as exc:
+        notice = f"the private redis-server did not start ({exc}); in-process cache only."
+        log.warning(notice)
+        return None, notice
+    stack.callback(embedded.close)
+    return url, None

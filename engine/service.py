@@ -1,0 +1,409 @@
+"""The one pipeline every request goes through: `InferenceEngine.classify(task, raw)`.
+
+    raw input -> raw key (alias or remembered rejection?) -> canonical form -> key
+      -> L1 -> [single-flight: L1 again -> L2 -> model] -> written to L2 and L1
+
+Redis failures never reach the caller: L2 is skipped and the model answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.codec import (
+    CachedAlias,
+    CachedRejection,
+    CachedResult,
+    CachedValue,
+    UndecodableValue,
+    decode,
+    encode,
+)
+from engine.errors import CacheUnavailableError, InvalidInputError, ModelError
+from engine.generation import LocalGeneration, RedisGeneration
+from engine.keys import CacheKey, digest_parts, raw_digest
+from engine.models.base import Classifier, Prediction
+from engine.singleflight import SingleFlight
+from storage.memory import MemoryStore
+from storage.redis_store import RedisStore
+
+log = logging.getLogger(__name__)
+
+TIERS = ("l1", "l2", "miss", "coalesced")
+
+
+class ProbeMiss(Exception):
+    """Raised in probe mode when the answer is not already cached (go to the queue)."""
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    prefix: str
+    l1_ttl_s: float
+    l2_ttl_s: int
+    negative_ttl_s: int
+
+    @property
+    def meta_prefix(self) -> str:
+        """Keys under this prefix are bookkeeping (the generation), never flushed."""
+        return f"{self.prefix}:meta:"
+
+
+@dataclass(frozen=True)
+class ClassifyResult:
+    prediction: Prediction
+    tier: str
+    key: str
+    model: str
+    model_version: str
+    generation: int
+    latency_ms: float
+    device: str
+    age_s: float
+
+    def cache_info(self) -> dict[str, Any]:
+        info = asdict(self)
+        del info["prediction"]
+        return info
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What the request log and metrics see of one request. No raw input."""
+
+    at: float
+    task: str
+    tier: str | None  # None when the request failed before any tier answered
+    latency_ms: float
+    status: str  # "ok" | "invalid" | "error"
+    error_code: str | None
+    key_digest: str | None
+    model_version: str
+    generation: int
+    top_label: str | None
+    model_ms: float | None = None
+
+
+@dataclass
+class EngineCounters:
+    hits_l1: int = 0
+    hits_l2: int = 0
+    misses: int = 0
+    coalesced: int = 0
+    negative_hits: int = 0
+    invalid: int = 0
+    errors: int = 0
+    corrupt_values: int = 0
+    l2_errors: int = 0
+    model_calls: dict[str, int] = field(default_factory=dict)
+    model_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    tier: str
+    l1_removed: int
+    l2_removed: int | None  # None when there is no L2 or it could not be reached
+    l2_error: str | None = None
+
+
+RequestListener = Callable[[RequestRecord], None]
+
+
+class InferenceEngine:
+    """Classifies through the tiered cache. Thread-safe; one per process."""
+
+    def __init__(
+        self,
+        *,
+        models: Mapping[str, Classifier],
+        l1: MemoryStore,
+        l2: RedisStore | None,
+        generation: LocalGeneration | RedisGeneration,
+        policy: CachePolicy,
+        l2_notice: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._models = dict(models)
+        self._l1 = l1
+        self._l2 = l2
+        self._generation = generation
+        self._policy = policy
+        self._l2_notice = l2_notice
+        self._clock = clock
+        self._flights: SingleFlight[tuple[CachedResult, str]] = SingleFlight()
+        self._counters = EngineCounters(
+            model_calls={task: 0 for task in self._models},
+            model_seconds={task: 0.0 for task in self._models},
+        )
+        self._counter_lock = threading.Lock()
+        self._listeners: list[RequestListener] = []
+        # Entries of an old generation can never be read again: free their memory.
+        generation.subscribe(lambda _old, _new: self._l1.clear())
+
+    # ---- public API -------------------------------------------------------
+
+    @property
+    def models(self) -> Mapping[str, Classifier]:
+        return self._models
+
+    @property
+    def generation(self) -> int:
+        return self._generation.current
+
+    def add_listener(self, listener: RequestListener) -> None:
+        self._listeners.append(listener)
+
+    def classify(self, task: str, raw: Any, *, probe: bool = False) -> ClassifyResult:
+        """Answer one request. Raises InvalidInputError (user's fault), ModelError,
+        or ProbeMiss (probe mode only, when the answer is not cached)."""
+        started = time.perf_counter()
+        model = self._models.get(task)
+        if model is None:
+            raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
+        generation = self._generation.current
+        try:
+            result = self._classify(task, model, raw, generation, probe, started)
+        except ProbeMiss:
+            raise
+        except InvalidInputError as exc:
+            self._emit(task, model, generation, started, status="invalid", error=exc.code)
+            raise
+        except Exception as exc:
+            self._count("errors")
+            self._emit(task, model, generation, started, status="error", error=type(exc).__name__)
+            if isinstance(exc, ModelError):
+                raise
+            log.exception("unexpected failure classifying %s input", task)
+            raise ModelError("The model failed on this input. Please try again.") from exc
+        self._emit_result(task, result)
+        return result
+
+    def bump_generation(self) -> int:
+        """Make every cached entry unreachable at once (all replicas sharing the Redis)."""
+        return self._generation.bump()
+
+    def flush(self, tier: str) -> FlushResult:
+        """Remove cached entries: tier is "l1", "l2" or "all". Scoped to this app's prefix."""
+        if tier not in ("l1", "l2", "all"):
+            raise InvalidInputError("bad_tier", "tier must be 'l1', 'l2' or 'all'")
+        l1_removed = self._l1.clear() if tier in ("l1", "all") else 0
+        l2_removed: int | None = None
+        l2_error = None
+        if tier in ("l2", "all"):
+            if self._l2 is None:
+                l2_error = "L2 is disabled"
+            else:
+                try:
+                    l2_removed = self._l2.clear(keep_prefix=self._policy.meta_prefix)
+                except CacheUnavailableError as exc:
+                    l2_error = str(exc)
+        log.info("flush %s: l1=%s l2=%s %s", tier, l1_removed, l2_removed, l2_error or "")
+        return FlushResult(tier, l1_removed, l2_removed, l2_error)
+
+    def cache_state(self) -> dict[str, Any]:
+        """Live state for the UI, /readyz and the console."""
+        mem = self._l1.stats()
+        state: dict[str, Any] = {
+            "generation": self._generation.current,
+            "l1": {"entries": mem.entries, "bytes": mem.bytes, "max_bytes": mem.max_bytes,
+                   "evictions": mem.evictions},
+            "models": {t: {"name": m.name, "version": m.version, "device": m.device}
+                       for t, m in self._models.items()},
+        }  # fmt: skip
+        if self._l2 is None:
+            state["l2"] = {"state": "disabled", "breaker": None, "notice": self._l2_notice}
+        else:
+            l2 = self._l2.stats()
+            state["l2"] = {"state": l2.state, "breaker": l2.breaker, "failures": l2.failures,
+                           "notice": self._l2_notice}  # fmt: skip
+        return state
+
+    def counters(self) -> EngineCounters:
+        with self._counter_lock:
+            snapshot = EngineCounters(**asdict(self._counters))
+        return snapshot
+
+    def l2_store(self) -> RedisStore | None:
+        return self._l2
+
+    # ---- the pipeline -----------------------------------------------------
+
+    def _classify(
+        self,
+        task: str,
+        model: Classifier,
+        raw: Any,
+        generation: int,
+        probe: bool,
+        started: float,
+    ) -> ClassifyResult:
+        raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", model.version, generation,
+                               raw_digest(raw)))  # fmt: skip
+        remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), use_l2=True)
+        canonical = None
+        if isinstance(remembered, CachedRejection):
+            self._count("negative_hits")
+            raise InvalidInputError(remembered.code, remembered.message)
+        if isinstance(remembered, CachedAlias):
+            digest = remembered.digest
+        else:
+            if probe and not getattr(model, "cheap_canonicalize", False):
+                raise ProbeMiss()
+            canonical = self._canonicalize(model, raw, raw_key)
+            digest = digest_parts(canonical.fingerprint_parts())
+            self._store(raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s)
+
+        key = str(CacheKey(self._policy.prefix, task, model.version, generation, digest))
+        # Outside probe mode L2 is read inside the flight, so N concurrent misses cost
+        # one Redis read; a probe has no flight and must look at L2 itself.
+        cached, tier = self._lookup(key, (CachedResult,), use_l2=probe)
+        if cached is None:
+            if probe:
+                raise ProbeMiss()
+            if canonical is None:  # the alias outlived its result (evicted or flushed)
+                canonical = self._canonicalize(model, raw, raw_key)
+            (cached, tier), shared = self._flights.run(key, lambda: self._compute(key, model, canonical))
+            if shared:
+                tier = "coalesced"
+        self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
+                     "coalesced": "coalesced"}[tier])  # fmt: skip
+        now = self._clock()
+        return ClassifyResult(
+            prediction=cached.prediction,
+            tier=tier,
+            key=key,
+            model=model.name,
+            model_version=model.version,
+            generation=generation,
+            latency_ms=(time.perf_counter() - started) * 1000.0,
+            device=model.device,
+            age_s=0.0 if tier == "miss" else max(0.0, now - cached.created_at),
+        )
+
+    def _canonicalize(self, model: Classifier, raw: Any, raw_key: str) -> Any:
+        try:
+            return model.canonicalize(raw)
+        except InvalidInputError as exc:
+            # Remember the rejection briefly: a repeat costs a lookup, not a decode.
+            rejection = CachedRejection(exc.code, exc.message, self._clock())
+            ttl = self._policy.negative_ttl_s
+            self._store(raw_key, rejection, ttl, min(float(ttl), self._policy.l1_ttl_s))
+            raise
+
+    def _compute(self, key: str, model: Classifier, canonical: Any) -> tuple[CachedResult, str]:
+        # Inside the flight: another flight for this key may have just filled L1.
+        cached, tier = self._lookup(key, (CachedResult,), use_l2=True)
+        if cached is not None:
+            return cached, tier  # type: ignore[return-value]
+        model_started = time.perf_counter()
+        try:
+            prediction = model.predict_batch([canonical])[0]
+        except InvalidInputError:
+            raise
+        except Exception as exc:
+            # Not the input's fault: never cached, reported as a model error.
+            log.exception("%s model failed", model.name)
+            raise ModelError(f"The {model.task} model failed: {exc.__class__.__name__}.") from exc
+        finally:
+            elapsed = time.perf_counter() - model_started
+            with self._counter_lock:
+                self._counters.model_calls[model.task] += 1
+                self._counters.model_seconds[model.task] += elapsed
+        result = CachedResult(prediction, model.version, self._clock())
+        self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s)
+        return result, "miss"
+
+    def _lookup(
+        self, key: str, expected: tuple[type, ...], *, use_l2: bool
+    ) -> tuple[CachedValue | None, str]:
+        value = self._l1.get(key)
+        if value is not None:
+            return value, "l1"
+        if not use_l2 or self._l2 is None:
+            return None, "miss"
+        try:
+            raw = self._l2.get(key)
+        except CacheUnavailableError:
+            self._count("l2_errors")
+            return None, "miss"
+        if raw is None:
+            return None, "miss"
+        try:
+            value = decode(raw)
+            if not isinstance(value, expected):
+                raise UndecodableValue(f"{type(value).__name__} under a {expected[0].__name__} key")
+        except UndecodableValue as exc:
+            log.warning("deleting undecodable L2 value at %s: %s", key, exc)
+            self._count("corrupt_values")
+            try:
+                self._l2.delete(key)
+            except CacheUnavailableError:
+                self._count("l2_errors")
+            return None, "miss"
+        self._l1.set(key, value, size=len(raw) + len(key), ttl_s=self._l1_ttl_for(value))
+        return value, "l2"
+
+    def _l1_ttl_for(self, value: CachedValue) -> float:
+        if isinstance(value, CachedRejection):
+            return min(float(self._policy.negative_ttl_s), self._policy.l1_ttl_s)
+        return self._policy.l1_ttl_s
+
+    def _store(self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float) -> None:
+        blob = encode(value)
+        self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
+        if self._l2 is not None:
+            try:
+                self._l2.set(key, blob, ttl_s=l2_ttl_s)
+            except CacheUnavailableError:
+                self._count("l2_errors")
+
+    # ---- bookkeeping ------------------------------------------------------
+
+    def _count(self, name: str) -> None:
+        with self._counter_lock:
+            setattr(self._counters, name, getattr(self._counters, name) + 1)
+
+    def _emit_result(self, task: str, result: ClassifyResult) -> None:
+        if not self._listeners:
+            return
+        record = RequestRecord(
+            at=self._clock(), task=task, tier=result.tier, latency_ms=result.latency_ms,
+            status="ok", error_code=None, key_digest=result.key.rsplit(":", 1)[-1][:16],
+            model_version=result.model_version, generation=result.generation,
+            top_label=result.prediction.top_label,
+        )  # fmt: skip
+        self._notify(record)
+
+    def _emit(
+        self,
+        task: str,
+        model: Classifier,
+        generation: int,
+        started: float,
+        *,
+        status: str,
+        error: str,
+    ) -> None:
+        if status == "invalid":
+            self._count("invalid")
+        if not self._listeners:
+            return
+        record = RequestRecord(
+            at=self._clock(), task=task, tier=None,
+            latency_ms=(time.perf_counter() - started) * 1000.0, status=status, error_code=error,
+            key_digest=None, model_version=model.version, generation=generation, top_label=None,
+        )  # fmt: skip
+        self._notify(record)
+
+    def _notify(self, record: RequestRecord) -> None:
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:  # a logging problem must never fail a request
+                log.exception("request listener failed")

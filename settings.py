@@ -1,0 +1,124 @@
+"""One settings object, read from the environment once at start-up and passed down.
+
+Libraries below (engine/, storage/, admin/) take plain arguments and never read
+the environment themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MIB = 1024 * 1024
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the app cannot run with."""
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = env.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise SettingsError(f"{name}={value!r} must be one of {', '.join(choices)}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    port: int = 7860
+    host: str = "0.0.0.0"
+    device: str = "auto"  # auto | cpu | cuda
+    # CUDA only: run the image model in float16. Part of the model version.
+    half_precision: bool = False
+    # None: start a private redis-server when installed; "off": no L2; else a redis:// URL.
+    redis_url: str | None = None
+    data_dir: Path = field(default_factory=lambda: Path("data"))
+    database_url: str | None = None
+    admin_token: str | None = None
+    cache_prefix: str = "infcache"
+    cache_l1_max_bytes: int = 256 * MIB
+    cache_l1_ttl_s: float = 3600.0
+    cache_ttl_s: int = 86400
+    cache_negative_ttl_s: int = 60
+    redis_socket_timeout_s: float = 0.25
+    redis_maxmemory_mb: int = 256
+    breaker_failure_threshold: int = 3
+    breaker_reset_s: float = 2.0
+    generation_refresh_s: float = 0.5
+    max_upload_bytes: int = 20 * MIB
+    max_image_pixels: int = 40_000_000
+    max_text_chars: int = 2000
+
+    @property
+    def l2_disabled(self) -> bool:
+        return self.redis_url == "off"
+
+    @property
+    def sqlite_path(self) -> Path:
+        return self.data_dir / "requests.sqlite3"
+
+    @property
+    def effective_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.sqlite_path}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        redis_url = env.get("REDIS_URL", "").strip() or None
+        if redis_url is not None and redis_url.lower() == "off":
+            redis_url = "off"
+        elif redis_url is not None and not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError(
+                f"REDIS_URL={redis_url!r} must start with redis://, rediss:// or unix://, or be 'off'"
+            )
+        return cls(
+            port=_int(env, "PORT", 7860, minimum=1),
+            host=env.get("HOST", "0.0.0.0").strip() or "0.0.0.0",
+            device=_choice(env, "DEVICE", "auto", ("auto", "cpu", "cuda")),
+            half_precision=_choice(env, "HALF_PRECISION", "0", ("0", "1", "false", "true")) in ("1", "true"),
+            redis_url=redis_url,
+            data_dir=Path(env.get("DATA_DIR", "").strip() or "data"),
+            database_url=env.get("DATABASE_URL", "").strip() or None,
+            admin_token=env.get("ADMIN_TOKEN", "").strip() or None,
+            cache_prefix=env.get("CACHE_PREFIX", "").strip() or "infcache",
+            cache_l1_max_bytes=_int(env, "CACHE_L1_MAX_BYTES", 256 * MIB, minimum=0),
+            cache_l1_ttl_s=_float(env, "CACHE_L1_TTL_S", 3600.0, minimum=0.001),
+            cache_ttl_s=_int(env, "CACHE_TTL_S", 86400, minimum=1),
+            cache_negative_ttl_s=_int(env, "CACHE_NEGATIVE_TTL_S", 60, minimum=1),
+            redis_socket_timeout_s=_float(env, "REDIS_SOCKET_TIMEOUT_S", 0.25, minimum=0.01),
+            redis_maxmemory_mb=_int(env, "REDIS_MAXMEMORY_MB", 256, minimum=1),
+            breaker_failure_threshold=_int(env, "BREAKER_FAILURE_THRESHOLD", 3, minimum=1),
+            breaker_reset_s=_float(env, "BREAKER_RESET_S", 2.0, minimum=0.01),
+            generation_refresh_s=_float(env, "GENERATION_REFRESH_S", 0.5, minimum=0.01),
+            max_upload_bytes=_int(env, "MAX_UPLOAD_BYTES", 20 * MIB, minimum=1),
+            max_image_pixels=_int(env, "MAX_IMAGE_PIXELS", 40_000_000, minimum=1),
+            max_text_chars=_int(env, "MAX_TEXT_CHARS", 2000, minimum=1),
+        )

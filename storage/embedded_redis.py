@@ -1,0 +1,152 @@
+"""A private `redis-server` child process: the default L2 when REDIS_URL is unset.
+
+It listens on a unix socket under the data directory (no TCP port), keeps RDB
+snapshots there, evicts with allkeys-lru at `maxmemory`, and dies with the app.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_MAX_UNIX_PATH = 100  # sun_path is 108 bytes on Linux
+
+
+class EmbeddedRedisError(RuntimeError):
+    """The private redis-server could not be started."""
+
+
+def find_redis_server() -> str | None:
+    return shutil.which("redis-server")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class EmbeddedRedis:
+    """Owns one redis-server child. `start()` once, `close()` (idempotent) to stop."""
+
+    def __init__(
+        self,
+        *,
+        data_dir: Path,
+        maxmemory_mb: int,
+        binary: str | None = None,
+        startup_timeout_s: float = 10.0,
+    ) -> None:
+        self._data_dir = Path(data_dir).resolve()
+        self._maxmemory_mb = maxmemory_mb
+        self._binary = binary or find_redis_server()
+        self._startup_timeout_s = startup_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+        self._socket_dir: str | None = None
+        self.socket_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        if self.socket_path is None:
+            raise EmbeddedRedisError("embedded redis-server is not started")
+        return f"unix://{self.socket_path}"
+
+    def start(self) -> str:
+        if self._binary is None:
+            raise EmbeddedRedisError("redis-server is not installed")
+        if self._process is not None:
+            return self.url
+        redis_dir = self._data_dir / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True)
+        socket_path = redis_dir / "redis.sock"
+        if len(str(socket_path)) > _MAX_UNIX_PATH:
+            self._socket_dir = tempfile.mkdtemp(prefix="infcache-redis-")
+            socket_path = Path(self._socket_dir) / "redis.sock"
+        if socket_path.exists():
+            if _answers(socket_path):
+                raise EmbeddedRedisError(
+                    f"another redis-server already serves {socket_path}; "
+                    "is a second copy of the app using the same DATA_DIR? "
+                    "Give each copy its own DATA_DIR or share one REDIS_URL."
+                )
+            socket_path.unlink()
+        command = [
+            self._binary,
+            "--port", "0",
+            "--unixsocket", str(socket_path),
+            "--unixsocketperm", "700",
+            "--dir", str(redis_dir),
+            "--dbfilename", "cache.rdb",
+            "--save", "300 1 60 1000",
+            "--appendonly", "no",
+            "--maxmemory", f"{self._maxmemory_mb}mb",
+            "--maxmemory-policy", "allkeys-lru",
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", str(redis_dir / "redis.log"),
+        ]  # fmt: skip
+        self._process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+        )
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                err = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
+                self._process = None
+                raise EmbeddedRedisError(f"redis-server exited at start-up: {err.strip()[:500]}")
+            if socket_path.exists() and _answers(socket_path):
+                self.socket_path = socket_path
+                log.info("started private redis-server (pid %s) at %s", self._process.pid, socket_path)
+                return self.url
+            time.sleep(0.02)
+        self.close()
+        raise EmbeddedRedisError("redis-server did not answer within the start-up timeout")
+
+    def close(self) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.terminate()  # SIGTERM: redis saves its RDB snapshot, then exits
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        if process is not None and process.stderr is not None:
+            process.stderr.close()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+        self.socket_path = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _answers(socket_path: Path) -> bool:
+    client = redis.Redis(unix_socket_path=str(socket_path), socket_timeout=0.2, socket_connect_timeout=0.2)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()

@@ -1,0 +1,165 @@
+"""L2: a Redis store of bytes with TTLs, guarded by a circuit breaker.
+
+Knows nothing of models or Gradio: keys and values are opaque strings and bytes.
+Every Redis failure becomes `CacheUnavailableError` so callers can fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from engine.errors import CacheUnavailableError
+from storage.breaker import BreakerState, CircuitBreaker
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SCAN_BATCH = 500
+# One quick retry on a dropped connection (a restarted server); never on a
+# timeout, so a slow Redis costs at most one socket timeout per call.
+RETRY_BACKOFF_BASE_S = 0.005
+RETRY_BACKOFF_CAP_S = 0.05
+RETRIES = 1
+
+
+@dataclass(frozen=True)
+class RedisStats:
+    state: str  # "up" | "down"
+    breaker: str
+    failures: int
+    times_opened: int
+
+
+def escape_glob(text: str) -> str:
+    """Escape Redis glob metacharacters so a prefix matches only itself."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def make_client(url: str, *, socket_timeout_s: float, max_connections: int = 64) -> redis.Redis:
+    retry = Retry(
+        ExponentialWithJitterBackoff(cap=RETRY_BACKOFF_CAP_S, base=RETRY_BACKOFF_BASE_S),
+        RETRIES,
+        supported_errors=(redis.ConnectionError,),
+    )
+    pool = redis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=socket_timeout_s,  # wait for a free pooled connection at most this long
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        retry=retry,
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+class RedisStore:
+    """get/set/delete/clear over one Redis, scoped to `prefix`."""
+
+    def __init__(self, client: redis.Redis, *, prefix: str, breaker: CircuitBreaker) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._breaker = breaker
+        self._closed = False
+
+    @property
+    def client(self) -> redis.Redis:
+        return self._client
+
+    def _call(self, operation: Callable[[], T]) -> T:
+        if self._closed:
+            raise CacheUnavailableError("the Redis store is closed")
+        if not self._breaker.allow():
+            raise CacheUnavailableError("Redis is skipped while the circuit breaker is open")
+        try:
+            result = operation()
+        except redis.RedisError as exc:
+            self._breaker.record_failure()
+            raise CacheUnavailableError(f"Redis call failed: {exc.__class__.__name__}") from exc
+        except BaseException:
+            # Not Redis's fault (e.g. interrupted): release a half-open probe slot.
+            self._breaker.record_success()
+            raise
+        self._breaker.record_success()
+        return result
+
+    def get(self, key: str) -> bytes | None:
+        return self._call(lambda: self._client.get(key))
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return self._call(lambda: self._client.mget(keys))
+
+    def set(self, key: str, value: bytes, *, ttl_s: int) -> None:
+        if ttl_s <= 0:
+            raise ValueError("every L2 write needs a positive TTL")
+        self._call(lambda: self._client.set(key, value, ex=ttl_s))
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call(lambda: self._client.unlink(key)))
+
+    def ping(self) -> bool:
+        return bool(self._call(self._client.ping))
+
+    def get_int(self, key: str) -> int:
+        raw = self._call(lambda: self._client.get(key))
+        return int(raw) if raw is not None else 0
+
+    def incr(self, key: str) -> int:
+        return int(self._call(lambda: self._client.incr(key)))
+
+    def publish(self, channel: str, message: str) -> None:
+        self._call(lambda: self._client.publish(channel, message))
+
+    def _scan(self, match: str) -> Iterator[list[bytes]]:
+        cursor: Any = 0
+        while True:
+            cursor, keys = self._call(
+                lambda c=cursor: self._client.scan(cursor=c, match=match, count=SCAN_BATCH)
+            )
+            if keys:
+                yield keys
+            if int(cursor) == 0:
+                return
+
+    def clear(self, *, keep_prefix: str | None = None) -> int:
+        """UNLINK every key under this store's prefix (SCAN in batches, never KEYS/FLUSH*).
+
+        Keys starting with `keep_prefix` (e.g. the generation counter) survive.
+        """
+        removed = 0
+        keep = keep_prefix.encode() if keep_prefix else None
+        for batch in self._scan(escape_glob(self._prefix) + ":*"):
+            doomed = [k for k in batch if keep is None or not k.startswith(keep)]
+            if doomed:
+                removed += int(self._call(lambda d=doomed: self._client.unlink(*d)))
+        return removed
+
+    def count_keys(self) -> int:
+        return sum(len(batch) for batch in self._scan(escape_glob(self._prefix) + ":*"))
+
+    def memory_used_bytes(self) -> int:
+        info = self._call(lambda: self._client.info("memory"))
+        return int(info.get("used_memory", 0))
+
+    def stats(self) -> RedisStats:
+        state = self._breaker.state
+        return RedisStats(
+            state="up" if state is BreakerState.CLOSED else "down",
+            breaker=state.value,
+            failures=self._breaker.total_failures,
+            times_opened=self._breaker.times_opened,
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._client.close()
+        self._client.connection_pool.disconnect()

@@ -1,0 +1,195 @@
+"""The Gradio Blocks: Image and Text tabs. Callbacks translate widgets <-> engine only."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+from gradio.caching import CacheMissError
+
+from engine.errors import InvalidInputError, ModelError
+from engine.service import ClassifyResult, InferenceEngine, ProbeMiss
+from ui.components import UploadedImage
+
+log = logging.getLogger(__name__)
+
+TIER_WORDS = {
+    "l1": "served from memory",
+    "l2": "served from Redis",
+    "coalesced": "joined an identical request in flight",
+}
+
+
+def in_queue_probe() -> bool:
+    """True while Gradio's queue runs a callback as a cache probe (see gradio/queueing.py):
+    then only an already-cached answer may be returned; anything else must raise
+    CacheMissError so the request takes its place in the queue."""
+    try:
+        from gradio.caching import _probe_mode_active
+    except ImportError:  # a Gradio without the probe: every call is a real call
+        return False
+    return bool(_probe_mode_active.get())
+
+
+@contextmanager
+def user_errors(probe: bool) -> Iterator[None]:
+    """The one place engine errors become what Gradio shows the user."""
+    try:
+        yield
+    except ProbeMiss:
+        raise CacheMissError() from None
+    except InvalidInputError as exc:
+        if probe:
+            raise CacheMissError() from None
+        raise gr.Error(exc.message, print_exception=False) from None
+    except ModelError as exc:
+        if probe:
+            raise CacheMissError() from None
+        raise gr.Error(str(exc), print_exception=False) from None
+    except gr.Error:
+        raise
+    except Exception:
+        if probe:
+            raise CacheMissError() from None
+        log.exception("unexpected error in a UI callback")
+        raise gr.Error("Something went wrong on our side. Please try again.", print_exception=False) from None
+
+
+def badge_text(info: dict[str, Any] | None) -> str:
+    """One plain sentence saying where the answer came from and how long it took."""
+    if not info or "tier" not in info:
+        return ""
+    ms = float(info.get("latency_ms", 0.0))
+    duration = f"{ms:.2f} ms" if ms < 10 else f"{ms:.0f} ms"
+    tier = info["tier"]
+    if tier == "miss":
+        sentence = f"computed on {info.get('device', '?')} in {duration}"
+    else:
+        sentence = f"{TIER_WORDS.get(tier, tier)} in {duration}"
+    version = f"{info.get('model')} `{info.get('model_version')}`"
+    return f"**{sentence[0].upper() + sentence[1:]}** · {version} · generation {info.get('generation')}"
+
+
+def _respond(result: ClassifyResult) -> tuple[dict[str, Any], dict[str, Any]]:
+    return result.prediction.as_label_value(), result.cache_info()
+
+
+def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[str, Callable[..., Any]]:
+    def classify_image(image: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Classify one image (ImageNet-1k, top 5). Returns the label and cache_info."""
+        probe = in_queue_probe()
+        with user_errors(probe):
+            if not image:
+                raise InvalidInputError("no_image", "Please upload an image first.")
+            path = Path(image)
+            if path.stat().st_size > max_upload_bytes:
+                # Let the engine word the error from the size alone, without reading the file.
+                raise InvalidInputError(
+                    "file_too_large",
+                    f"The file is {path.stat().st_size / 1e6:.1f} MB; "
+                    f"the limit is {max_upload_bytes / 1e6:.1f} MB.",
+                )
+            return _respond(engine.classify("image", path.read_bytes(), probe=probe))
+
+    def classify_text(message: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Classify one customer-support message (top 5 intents). Returns the label and cache_info."""
+        probe = in_queue_probe()
+        with user_errors(probe):
+            return _respond(engine.classify("text", message if message is not None else "", probe=probe))
+
+    # Gradio's queue probes callbacks that carry a `cache` attribute before queueing
+    # them: a cached answer returns at once instead of waiting behind misses.
+    classify_image.cache = True  # type: ignore[attr-defined]
+    classify_text.cache = True  # type: ignore[attr-defined]
+    return {"classify_image": classify_image, "classify_text": classify_text}
+
+
+def _examples_dir() -> Path | None:
+    try:
+        import skimage
+
+        folder = Path(skimage.__file__).parent / "data"
+        return folder if folder.is_dir() else None
+    except ImportError:
+        return None
+
+
+TEXT_EXAMPLES = [
+    "Where is my order? It was supposed to arrive on Monday.",
+    "I was charged twice for the same order",
+    "Where is my order? It was supposed to arrive on Monday.",
+    "Can I talk to a real person please?",
+    "The blender arrived with a cracked jar",
+    "I forgot my password and can't log in",
+]
+
+
+def build_demo(engine: InferenceEngine, *, max_upload_bytes: int) -> gr.Blocks:
+    callbacks = make_callbacks(engine, max_upload_bytes=max_upload_bytes)
+    image_model = engine.models.get("image")
+    text_model = engine.models.get("text")
+    state = engine.cache_state()
+    notice = state["l2"].get("notice")
+
+    with gr.Blocks(title="Inference cache") as demo:
+        gr.Markdown(
+            "# Inference result cache\n"
+            "Classify a photo or a support message. Repeats are answered from memory or "
+            "Redis in well under a millisecond instead of re-running the network."
+        )
+        if notice:
+            gr.Markdown(f"> **Cache notice:** {notice}", elem_id="cache-notice")
+        with gr.Tabs():
+            with gr.Tab("Image", id="image"):
+                with gr.Row():
+                    with gr.Column():
+                        image_in = UploadedImage(
+                            label="Photo", type="filepath", sources=["upload", "webcam", "clipboard"],
+                            elem_id="image-input",
+                        )  # fmt: skip
+                        image_btn = gr.Button("Classify image", variant="primary", elem_id="image-submit")
+                    with gr.Column():
+                        image_badge = gr.Markdown(elem_id="image-badge")
+                        image_label = gr.Label(num_top_classes=5, label="Top classes", elem_id="image-label")
+                        image_info = gr.JSON(label="cache_info", elem_id="image-info")
+                        if image_model is not None:
+                            gr.Markdown(f"<small>{image_model.name} · version `{image_model.version}` · "
+                                        f"{image_model.device}</small>")  # fmt: skip
+                examples = _examples_dir()
+                if examples is not None:
+                    gr.Examples(
+                        examples=[str(examples / n) for n in ("chelsea.png", "coffee.png", "rocket.jpg")
+                                  if (examples / n).is_file()],
+                        inputs=image_in,
+                    )  # fmt: skip
+                image_event = image_btn.click(
+                    callbacks["classify_image"], inputs=image_in, outputs=[image_label, image_info],
+                    api_name="classify_image",
+                )  # fmt: skip
+                image_event.then(badge_text, inputs=image_info, outputs=image_badge,
+                                 api_visibility="private", queue=False)  # fmt: skip
+            with gr.Tab("Text", id="text"):
+                with gr.Row():
+                    with gr.Column():
+                        text_in = gr.Textbox(label="Support message", lines=3, elem_id="text-input")
+                        text_btn = gr.Button("Classify message", variant="primary", elem_id="text-submit")
+                        gr.Examples(examples=[[t] for t in dict.fromkeys(TEXT_EXAMPLES)], inputs=text_in)
+                    with gr.Column():
+                        text_badge = gr.Markdown(elem_id="text-badge")
+                        text_label = gr.Label(num_top_classes=5, label="Top intents", elem_id="text-label")
+                        text_info = gr.JSON(label="cache_info", elem_id="text-info")
+                        if text_model is not None:
+                            intents = ", ".join(getattr(text_model, "intent_names", ()))
+                            gr.Markdown(f"<small>{text_model.name} · version `{text_model.version}` · "
+                                        f"{text_model.device}<br>Intents: {intents}</small>")  # fmt: skip
+                text_event = gr.on(
+                    [text_btn.click, text_in.submit], callbacks["classify_text"], inputs=text_in,
+                    outputs=[text_label, text_info], api_name="classify_text",
+                )  # fmt: skip
+                text_event.then(badge_text, inputs=text_info, outputs=text_badge,
+                                api_visibility="private", queue=False)  # fmt: skip
+    return demo

@@ -1,0 +1,88 @@
+"""The HTTP app: health endpoints plus the Gradio UI mounted at /, served by uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import gradio as gr
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from engine.runtime import Runtime
+from ui.app_ui import build_demo
+
+log = logging.getLogger(__name__)
+
+QUEUE_MAX_SIZE = 256
+
+
+def build_app(runtime: Runtime) -> FastAPI:
+    settings = runtime.settings
+    engine = runtime.engine
+    app = FastAPI(title="Inference cache", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        state = engine.cache_state()
+        ready = bool(engine.models)
+        body = {
+            "status": "ready" if ready else "starting",
+            "models": state["models"],
+            "l2": state["l2"]["state"],
+            "l2_notice": state["l2"].get("notice"),
+            "generation": state["generation"],
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    demo = build_demo(engine, max_upload_bytes=settings.max_upload_bytes)
+    demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
+    return gr.mount_gradio_app(
+        app,
+        demo,
+        path="",
+        max_file_size=2 * settings.max_upload_bytes,  # the engine's own limit gives the clearer message
+        ssr_mode=False,
+        footer_links=["api"],
+    )
+
+
+class BackgroundServer:
+    """Runs the app in a thread (tests, benchmarks). `close()` stops it."""
+
+    def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
+        self.url = f"http://{host}:{port}"
+
+    def start(self, timeout_s: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        return self
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve(runtime: Runtime) -> None:
+    """Blocks until the process is told to stop (SIGINT/SIGTERM handled by uvicorn)."""
+    settings = runtime.settings
+    uvicorn.run(build_app(runtime), host=settings.host, port=settings.port, log_level="info")
