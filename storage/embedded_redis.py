@@ -48,20 +48,32 @@ class EmbeddedRedis:
         maxmemory_mb: int,
         binary: str | None = None,
         startup_timeout_s: float = 10.0,
+        port: int | None = None,
+        save: bool = True,
     ) -> None:
+        """`port=None`: a unix socket only (the app's default). A port: loopback TCP
+        on 127.0.0.1 instead (tests and benchmarks, which kill and restart it)."""
         self._data_dir = Path(data_dir).resolve()
         self._maxmemory_mb = maxmemory_mb
         self._binary = binary or find_redis_server()
         self._startup_timeout_s = startup_timeout_s
+        self._port = port
+        self._save = save
         self._process: subprocess.Popen[bytes] | None = None
         self._socket_dir: str | None = None
         self.socket_path: Path | None = None
 
     @property
     def url(self) -> str:
+        if self._port is not None:
+            return f"redis://127.0.0.1:{self._port}/0"
         if self.socket_path is None:
             raise EmbeddedRedisError("embedded redis-server is not started")
         return f"unix://{self.socket_path}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     def start(self) -> str:
         if self._binary is None:
@@ -70,12 +82,14 @@ class EmbeddedRedis:
             return self.url
         redis_dir = self._data_dir / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True)
+        if self._port is not None:
+            return self._start_tcp(redis_dir)
         socket_path = redis_dir / "redis.sock"
         if len(str(socket_path)) > _MAX_UNIX_PATH:
             self._socket_dir = tempfile.mkdtemp(prefix="infcache-redis-")
             socket_path = Path(self._socket_dir) / "redis.sock"
         if socket_path.exists():
-            if _answers(socket_path):
+            if _answers(unix_socket_path=str(socket_path)):
                 raise EmbeddedRedisError(
                     f"another redis-server already serves {socket_path}; "
                     "is a second copy of the app using the same DATA_DIR? "
@@ -83,13 +97,45 @@ class EmbeddedRedis:
                 )
             socket_path.unlink()
         command = [
-            self._binary,
+            *self._base_command(redis_dir),
             "--port", "0",
             "--unixsocket", str(socket_path),
             "--unixsocketperm", "700",
+        ]  # fmt: skip
+        self._spawn(command)
+        assert self._process is not None
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if socket_path.exists() and _answers(unix_socket_path=str(socket_path)):
+                self.socket_path = socket_path
+                log.info("started private redis-server (pid %s) at %s", self._process.pid, socket_path)
+                return self.url
+            time.sleep(0.02)
+        self.close()
+        raise EmbeddedRedisError("redis-server did not answer within the start-up timeout")
+
+    def _start_tcp(self, redis_dir: Path) -> str:
+        command = [*self._base_command(redis_dir), "--bind", "127.0.0.1", "--port", str(self._port)]
+        self._spawn(command)
+        assert self._process is not None
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if _answers(host="127.0.0.1", port=self._port):
+                log.info("started redis-server (pid %s) on 127.0.0.1:%s", self._process.pid, self._port)
+                return self.url
+            time.sleep(0.02)
+        self.close()
+        raise EmbeddedRedisError("redis-server did not answer within the start-up timeout")
+
+    def _base_command(self, redis_dir: Path) -> list[str]:
+        assert self._binary is not None
+        return [
+            self._binary,
             "--dir", str(redis_dir),
             "--dbfilename", "cache.rdb",
-            "--save", "300 1 60 1000",
+            "--save", "300 1 60 1000" if self._save else "",
             "--appendonly", "no",
             "--maxmemory", f"{self._maxmemory_mb}mb",
             "--maxmemory-policy", "allkeys-lru",
@@ -97,26 +143,33 @@ class EmbeddedRedis:
             "--loglevel", "warning",
             "--logfile", str(redis_dir / "redis.log"),
         ]  # fmt: skip
+
+    def _spawn(self, command: list[str]) -> None:
         self._process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            # Dies with the thread that started it, so a crashed app leaves no orphan.
             preexec_fn=_die_with_parent,
         )
-        deadline = time.monotonic() + self._startup_timeout_s
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                err = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
-                self._process = None
-                raise EmbeddedRedisError(f"redis-server exited at start-up: {err.strip()[:500]}")
-            if socket_path.exists() and _answers(socket_path):
-                self.socket_path = socket_path
-                log.info("started private redis-server (pid %s) at %s", self._process.pid, socket_path)
-                return self.url
-            time.sleep(0.02)
-        self.close()
-        raise EmbeddedRedisError("redis-server did not answer within the start-up timeout")
+
+    def _check_alive(self) -> None:
+        assert self._process is not None
+        if self._process.poll() is not None:
+            stderr = self._process.stderr
+            err = stderr.read().decode(errors="replace") if stderr else ""
+            self._process = None
+            raise EmbeddedRedisError(f"redis-server exited at start-up: {err.strip()[:500]}")
+
+    def kill(self) -> None:
+        """SIGKILL, no snapshot: for fault tests. `start()` brings it back."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+            process.wait(timeout=10)
+            if process.stderr is not None:
+                process.stderr.close()
 
     def close(self) -> None:
         process, self._process = self._process, None
@@ -142,8 +195,8 @@ class EmbeddedRedis:
         self.close()
 
 
-def _answers(socket_path: Path) -> bool:
-    client = redis.Redis(unix_socket_path=str(socket_path), socket_timeout=0.2, socket_connect_timeout=0.2)
+def _answers(**where: object) -> bool:
+    client = redis.Redis(**where, socket_timeout=0.2, socket_connect_timeout=0.2)  # type: ignore[arg-type]
     try:
         return bool(client.ping())
     except (redis.RedisError, OSError):

@@ -1,0 +1,39 @@
+# The README's two commands: `make run` and `make test`. Each installs what it needs.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench-models bench-cache soak clean setup
+
+$(STAMP): requirements.txt requirements-dev.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch/torchvision come from this machine's local index (pinned in requirements.txt).
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	@scripts/ensure_system_deps.sh --optional redis-server
+	$(PY) app.py
+
+test: $(STAMP)
+	@scripts/ensure_system_deps.sh redis-server chromium
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+soak: $(STAMP)
+	$(PY) -m pytest -m soak
+
+bench-models: $(STAMP)
+	$(PY) -m bench.models
+
+bench-cache: $(STAMP)
+	@scripts/ensure_system_deps.sh redis-server
+	$(PY) -m bench.cache
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Make sure Debian packages the app or its tests need are installed.
+# Usage: ensure_system_deps.sh [--optional] redis-server chromium ...
+# Installs missing ones with apt-get when running as root; otherwise says what to
+# install and fails (or, with --optional, warns and carries on).
+set -euo pipefail
+optional=0
+if [[ "${1:-}" == "--optional" ]]; then optional=1; shift; fi
+
+declare -A binary_of=([redis-server]=redis-server [chromium]=chromium)
+missing=()
+for pkg in "$@"; do
+  command -v "${binary_of[$pkg]:-$pkg}" >/dev/null 2>&1 || missing+=("$pkg")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+  echo "Installing ${missing[*]} with apt-get..."
+  if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
+     || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; }; then
+    exit 0
+  fi
+fi
+
+msg="Missing system packages: ${missing[*]}. Install them with: sudo apt-get install -y ${missing[*]}"
+if [[ $optional -eq 1 ]]; then
+  echo "WARNING: $msg (continuing without them)" >&2
+  exit 0
+fi
+echo "ERROR: $msg" >&2
+exit 1

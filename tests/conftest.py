@@ -1,0 +1,146 @@
+"""Shared fixtures. Tests own what they start: every server and engine is closed here."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.errors import ModelError
+from engine.inputs import CanonicalText, clean_text
+from engine.models.base import Prediction
+from engine.runtime import Runtime, build_runtime, load_models
+from settings import Settings
+from storage.embedded_redis import EmbeddedRedis
+
+SKIMAGE_PHOTOS = ("chelsea.png", "coffee.png", "rocket.jpg", "astronaut.png", "motorcycle_right.png")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def photo_dir() -> Path:
+    import skimage
+
+    return Path(skimage.__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def photo_bytes(photo_dir: Path) -> Callable[[str], bytes]:
+    return lambda name: (photo_dir / name).read_bytes()
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(
+            "redis-server is not installed: these tests need a real Redis. "
+            "Run `make test` (installs it as root) or `apt-get install -y redis-server`."
+        )
+    return binary
+
+
+@pytest.fixture
+def redis_server(redis_binary: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A private redis-server on a free loopback port, stopped after the test."""
+    server = EmbeddedRedis(
+        data_dir=tmp_path / "redis-under-test", maxmemory_mb=64, binary=redis_binary,
+        port=free_port(), save=False,
+    )  # fmt: skip
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return replace(
+        Settings.from_env({}),
+        data_dir=tmp_path_factory.mktemp("data"),
+        redis_url="off",
+        redis_socket_timeout_s=0.2,
+        breaker_reset_s=0.5,
+        generation_refresh_s=0.2,
+    )
+
+
+@pytest.fixture(scope="session")
+def real_models(base_settings: Settings) -> dict[str, Any]:
+    """The two real models, loaded once for the whole session."""
+    return load_models(base_settings)
+
+
+class CountingTextModel:
+    """A tiny deterministic stand-in for unit tests where the model is not the subject.
+
+    Scores depend only on the text, so every tier must return identical outputs.
+    `fail_next` makes the next call raise (a model failure, not the input's fault).
+    """
+
+    task = "text"
+    name = "stand-in"
+    device = "cpu"
+    cheap_canonicalize = True
+
+    def __init__(self, version: str = "standin-v1", delay_s: float = 0.0) -> None:
+        import threading
+
+        self.version = version
+        self.calls = 0
+        self.delay_s = delay_s
+        self.fail_next = False
+        self._lock = threading.Lock()
+
+    def canonicalize(self, raw: Any) -> CanonicalText:
+        return clean_text(raw, max_chars=200)
+
+    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
+        import time
+        import zlib
+
+        with self._lock:
+            self.calls += 1
+            fail, self.fail_next = self.fail_next, False
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if fail:
+            raise RuntimeError("simulated CUDA out of memory")
+        out = []
+        for item in inputs:
+            seed = zlib.crc32(item.text.encode())
+            a = (seed % 1000) / 1000.0
+            out.append(Prediction((("alpha", 1.0 - a / 2), ("beta", a / 2))))
+        return out
+
+
+class FailingModel(CountingTextModel):
+    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
+        with self._lock:
+            self.calls += 1
+        raise ModelError("the stand-in model always fails")
+
+
+@pytest.fixture
+def make_runtime(base_settings: Settings, tmp_path: Path) -> Iterator[Callable[..., Runtime]]:
+    """Build runtimes (engine + stores) with setting overrides; all closed at teardown."""
+    built: list[Runtime] = []
+
+    def factory(*, models: dict[str, Any] | None = None, **overrides: Any) -> Runtime:
+        settings = replace(base_settings, data_dir=tmp_path / f"rt{len(built)}", **overrides)
+        runtime = build_runtime(settings, models=models or {"text": CountingTextModel()})
+        built.append(runtime)
+        return runtime
+
+    yield factory
+    for runtime in reversed(built):
+        runtime.close()
