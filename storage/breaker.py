@@ -80,7 +80,7 @@ class CircuitBreaker:
         # Full jitter in [delay/2, delay]: replicas that lost Redis together do not
         # all probe it at the same instant.
         delay = delay / 2 + self._rng.uniform(0, delay / 2)
-        if self._state is not BreakerState.OPEN:
+        if self._state is BreakerState.CLOSED:  # an outage starts; re-opens after probes don't count
             self.times_opened += 1
         self._state = BreakerState.OPEN
         self._open_count += 1

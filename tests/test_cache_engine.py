@@ -1,0 +1,313 @@
+"""The tiered cache through `InferenceEngine.classify`, against a real redis-server."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+from PIL import Image
+
+from engine.errors import InvalidInputError, ModelError
+from engine.runtime import Runtime
+from engine.service import ProbeMiss
+from storage.embedded_redis import EmbeddedRedis
+from tests.conftest import CountingTextModel, FailingModel
+
+pytestmark = pytest.mark.redis
+
+
+def engine_pair(
+    make_runtime: Callable[..., Runtime], url: str, model: Any = None
+) -> tuple[Runtime, Runtime, CountingTextModel, CountingTextModel]:
+    first_model = model or CountingTextModel()
+    second_model = CountingTextModel(version=first_model.version)
+    first = make_runtime(models={"text": first_model}, redis_url=url)
+    second = make_runtime(models={"text": second_model}, redis_url=url)
+    return first, second, first_model, second_model
+
+
+def all_keys(url: str) -> list[bytes]:
+    client = redis.Redis.from_url(url)
+    try:
+        return list(client.scan_iter(match="*", count=1000))
+    finally:
+        client.close()
+
+
+class TestTiers:
+    def test_miss_then_l1_then_l2_from_a_second_engine(self, make_runtime, redis_server) -> None:
+        first, second, first_model, second_model = engine_pair(make_runtime, redis_server.url)
+        miss = first.engine.classify("text", "Where is my parcel?")
+        hit = first.engine.classify("text", "Where is my parcel?")
+        shared = second.engine.classify("text", "Where is my parcel?")
+        promoted = second.engine.classify("text", "Where is my parcel?")
+        assert [r.tier for r in (miss, hit, shared, promoted)] == ["miss", "l1", "l2", "l1"]
+        assert first_model.calls == 1 and second_model.calls == 0
+        # byte-identical answers whichever tier served them
+        assert miss.prediction == hit.prediction == shared.prediction == promoted.prediction
+        assert repr(miss.prediction) == repr(shared.prediction)
+        assert miss.key == hit.key == shared.key
+        assert miss.age_s == 0.0 and shared.age_s >= 0.0
+
+    def test_cache_info_has_the_contract_fields(self, make_runtime, redis_server) -> None:
+        runtime = make_runtime(redis_url=redis_server.url)
+        info = runtime.engine.classify("text", "hello").cache_info()
+        assert set(info) >= {"tier", "key", "model", "model_version", "generation", "latency_ms",
+                             "device", "age_s"}  # fmt: skip
+        prefix, task, version, generation, digest = info["key"].split(":")
+        assert (prefix, task, version, int(generation)) == ("infcache", "text", "standin-v1", 0)
+        assert len(digest) == 32 and info["latency_ms"] > 0
+
+    def test_whitespace_variants_share_one_entry(self, make_runtime, redis_server) -> None:
+        model = CountingTextModel()
+        runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+        results = [runtime.engine.classify("text", text) for text in
+                   ("refund please", "  refund   please ", "refund\tplease\n", "refund\u00a0please")]  # fmt: skip
+        assert len({r.key for r in results}) == 1
+        assert [r.tier for r in results] == ["miss", "l1", "l1", "l1"]
+        assert model.calls == 1
+
+    def test_model_version_is_part_of_the_key(self, make_runtime, redis_server) -> None:
+        old = make_runtime(models={"text": CountingTextModel("v1")}, redis_url=redis_server.url)
+        new_model = CountingTextModel("v2")
+        new = make_runtime(models={"text": new_model}, redis_url=redis_server.url)
+        old.engine.classify("text", "cancel my order")
+        result = new.engine.classify("text", "cancel my order")
+        assert result.tier == "miss" and new_model.calls == 1
+        assert result.model_version == "v2" and ":v2:" in result.key
+
+    def test_l2_disabled_runs_l1_only(self, make_runtime) -> None:
+        runtime = make_runtime(redis_url="off")
+        assert runtime.engine.classify("text", "hi").tier == "miss"
+        assert runtime.engine.classify("text", "hi").tier == "l1"
+        assert runtime.engine.cache_state()["l2"]["state"] == "disabled"
+
+
+class TestRedisValues:
+    def test_every_key_has_a_ttl_except_the_generation(self, make_runtime, redis_server) -> None:
+        runtime = make_runtime(redis_url=redis_server.url)
+        for text in ("a question", "another question", ""):
+            try:
+                runtime.engine.classify("text", text)
+            except InvalidInputError:
+                pass
+        runtime.engine.bump_generation()
+        runtime.engine.classify("text", "after the bump")
+        client = redis.Redis.from_url(redis_server.url)
+        keys = all_keys(redis_server.url)
+        assert len(keys) >= 5
+        for key in keys:
+            ttl = client.ttl(key)
+            if key == b"infcache:meta:generation":
+                assert ttl == -1
+            else:
+                assert ttl > 0, key
+        client.close()
+
+    def test_no_value_is_a_pickle(self, make_runtime, redis_server) -> None:
+        runtime = make_runtime(redis_url=redis_server.url)
+        runtime.engine.classify("text", "where is my order")
+        client = redis.Redis.from_url(redis_server.url)
+        for key in all_keys(redis_server.url):
+            if key.endswith(b":generation"):
+                continue
+            value = client.get(key)
+            assert not value.startswith(b"\x80"), "pickle header found"
+            assert msgpack.unpackb(value)["s"].startswith("infcache.")
+        client.close()
+
+    @pytest.mark.parametrize(
+        "planted",
+        [
+            b"\x00\x01 not msgpack",
+            msgpack.packb({"s": "infcache.result/99", "p": [["evil", 1.0]], "v": "x", "t": 1.0}),
+            pickle.dumps({"s": "infcache.result/1", "p": [["evil", 1.0]]}),
+        ],
+        ids=["corrupt", "unknown-schema", "pickle"],
+    )
+    def test_bad_value_is_deleted_and_recomputed(self, make_runtime, redis_server, planted) -> None:
+        first, second, _, second_model = engine_pair(make_runtime, redis_server.url)
+        good = first.engine.classify("text", "my card was declined")
+        client = redis.Redis.from_url(redis_server.url)
+        client.set(good.key, planted, ex=60)
+        again = second.engine.classify("text", "my card was declined")
+        assert again.tier == "miss" and second_model.calls == 1
+        assert again.prediction == good.prediction
+        assert "evil" not in dict(again.prediction.labels)
+        assert second.engine.counters().corrupt_values == 1
+        assert client.get(good.key) != planted  # replaced by the recomputed value
+        client.close()
+
+
+class TestSingleFlight:
+    def test_sixteen_threads_one_model_call(self, make_runtime, redis_server) -> None:
+        model = CountingTextModel(delay_s=0.3)
+        runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+        barrier = threading.Barrier(16)
+        results: list[Any] = []
+
+        def ask() -> None:
+            barrier.wait()
+            results.append(runtime.engine.classify("text", "talk to a human"))
+
+        threads = [threading.Thread(target=ask) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert model.calls == 1
+        tiers = sorted(r.tier for r in results)
+        assert tiers.count("miss") == 1 and len(results) == 16
+        assert set(tiers) <= {"miss", "coalesced", "l1"} and "coalesced" in tiers
+        assert len({r.prediction for r in results}) == 1
+
+    def test_waiters_get_the_leaders_error_and_it_is_not_cached(self, make_runtime) -> None:
+        model = FailingModel(delay_s=0.0)
+        runtime = make_runtime(models={"text": model})
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(6)
+
+        def ask() -> None:
+            barrier.wait()
+            try:
+                runtime.engine.classify("text", "boom")
+            except ModelError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert len(errors) == 6
+        calls = model.calls
+        with pytest.raises(ModelError):
+            runtime.engine.classify("text", "boom")
+        assert model.calls == calls + 1  # failures are never cached
+
+
+class TestNegativeEntries:
+    def test_rejection_is_remembered_in_l1_and_l2(self, make_runtime, redis_server) -> None:
+        first, second, _, _ = engine_pair(make_runtime, redis_server.url)
+        with pytest.raises(InvalidInputError) as first_error:
+            first.engine.classify("text", "   \t  ")
+        with pytest.raises(InvalidInputError) as again:
+            first.engine.classify("text", "   \t  ")
+        with pytest.raises(InvalidInputError) as elsewhere:
+            second.engine.classify("text", "   \t  ")
+        assert first_error.value == again.value == elsewhere.value
+        assert first.engine.counters().negative_hits == 1
+        assert second.engine.counters().negative_hits == 1
+        negative_keys = [k for k in all_keys(redis_server.url) if b":text-raw:" in k]
+        client = redis.Redis.from_url(redis_server.url)
+        assert negative_keys and all(0 < client.ttl(k) <= 60 for k in negative_keys)
+        client.close()
+
+    def test_model_failure_is_not_remembered(self, make_runtime) -> None:
+        model = CountingTextModel()
+        runtime = make_runtime(models={"text": model})
+        model.fail_next = True
+        with pytest.raises(ModelError):
+            runtime.engine.classify("text", "flaky")
+        assert runtime.engine.classify("text", "flaky").tier == "miss"
+        assert model.calls == 2
+
+
+class TestGeneration:
+    def test_bump_makes_next_request_a_miss_everywhere(self, make_runtime, redis_server) -> None:
+        first, second, first_model, second_model = engine_pair(make_runtime, redis_server.url)
+        first.engine.classify("text", "refund")
+        assert second.engine.classify("text", "refund").tier == "l2"
+        assert second.engine.classify("text", "refund").tier == "l1"
+        new_generation = first.engine.bump_generation()
+        assert new_generation == 1
+        assert first.engine.classify("text", "refund").tier == "miss"
+        deadline = time.monotonic() + 1.0
+        while second.engine.generation != new_generation and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert second.engine.generation == new_generation, "bump not seen within one second"
+        result = second.engine.classify("text", "refund")
+        assert result.generation == 1 and result.tier == "l2"  # first engine recomputed it
+        assert second.engine.cache_state()["l1"]["entries"] <= 2  # old generation dropped from L1
+
+    def test_local_generation_without_redis(self, make_runtime) -> None:
+        runtime = make_runtime(redis_url="off")
+        runtime.engine.classify("text", "hi")
+        assert runtime.engine.bump_generation() == 1
+        assert runtime.engine.classify("text", "hi").tier == "miss"
+
+
+class TestFlush:
+    def test_flush_by_tier_counts_and_scopes(self, make_runtime, redis_server) -> None:
+        runtime = make_runtime(redis_url=redis_server.url)
+        client = redis.Redis.from_url(redis_server.url)
+        client.set("someone-else:key", b"keep me")
+        for i in range(5):
+            runtime.engine.classify("text", f"question {i}")
+        l1 = runtime.engine.flush("l1")
+        assert l1.l1_removed == 10 and l1.l2_removed is None  # 5 results + 5 aliases
+        assert runtime.engine.classify("text", "question 0").tier == "l2"
+        both = runtime.engine.flush("all")
+        assert both.l2_removed == 10 and both.l2_error is None
+        assert client.get("someone-else:key") == b"keep me"
+        assert runtime.engine.classify("text", "question 0").tier == "miss"
+        with pytest.raises(InvalidInputError):
+            runtime.engine.flush("everything")
+        client.close()
+
+
+class TestProbe:
+    def test_probe_answers_hits_and_refuses_misses(self, make_runtime) -> None:
+        model = CountingTextModel()
+        runtime = make_runtime(models={"text": model})
+        with pytest.raises(ProbeMiss):
+            runtime.engine.classify("text", "new question", probe=True)
+        assert model.calls == 0
+        runtime.engine.classify("text", "new question")
+        assert runtime.engine.classify("text", "new question", probe=True).tier == "l1"
+
+
+class TestRealModels:
+    """Where the model matters: canonical images share entries, tiers agree byte for byte."""
+
+    @staticmethod
+    def encode(photo: bytes, fmt: str, **options: Any) -> bytes:
+        buffer = io.BytesIO()
+        Image.open(io.BytesIO(photo)).convert("RGB").save(buffer, format=fmt, **options)
+        return buffer.getvalue()
+
+    def test_png_bmp_webp_share_one_entry_and_tiers_agree(
+        self, make_runtime, redis_server: EmbeddedRedis, real_models, photo_bytes
+    ) -> None:
+        first = make_runtime(models=real_models, redis_url=redis_server.url)
+        second = make_runtime(models=real_models, redis_url=redis_server.url)
+        photo = photo_bytes("coffee.png")
+        png, bmp, webp = (self.encode(photo, "PNG"), self.encode(photo, "BMP"),
+                          self.encode(photo, "WEBP", lossless=True))  # fmt: skip
+        miss = first.engine.classify("image", png)
+        by_bmp = first.engine.classify("image", bmp)
+        by_webp = second.engine.classify("image", webp)
+        again = first.engine.classify("image", png)
+        assert [r.tier for r in (miss, by_bmp, by_webp, again)] == ["miss", "l1", "l2", "l1"]
+        assert miss.key == by_bmp.key == by_webp.key == again.key
+        assert miss.prediction == by_bmp.prediction == by_webp.prediction
+        assert miss.prediction.top_label == "espresso"
+        assert first.engine.counters().model_calls["image"] == 1
+
+    def test_bad_upload_is_remembered_without_decoding_again(
+        self, make_runtime, real_models, photo_bytes
+    ) -> None:
+        runtime = make_runtime(models=real_models)
+        truncated = photo_bytes("chelsea.png")[:5000]
+        for _ in range(3):
+            with pytest.raises(InvalidInputError) as error:
+                runtime.engine.classify("image", truncated)
+        assert error.value.code in ("corrupt_image", "not_an_image")
+        assert runtime.engine.counters().negative_hits == 2
