@@ -68,8 +68,8 @@ class TestTiers:
     def test_whitespace_variants_share_one_entry(self, make_runtime, redis_server) -> None:
         model = CountingTextModel()
         runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
-        results = [runtime.engine.classify("text", text) for text in
-                   ("refund please", "  refund   please ", "refund\tplease\n", "refund\u00a0please")]  # fmt: skip
+        variants = ("refund please", "  refund   please ", "refund\tplease\n", "refund\u00a0please")
+        results = [runtime.engine.classify("text", text) for text in variants]
         assert len({r.key for r in results}) == 1
         assert [r.tier for r in results] == ["miss", "l1", "l1", "l1"]
         assert model.calls == 1
@@ -222,7 +222,7 @@ class TestNegativeEntries:
 
 class TestGeneration:
     def test_bump_makes_next_request_a_miss_everywhere(self, make_runtime, redis_server) -> None:
-        first, second, first_model, second_model = engine_pair(make_runtime, redis_server.url)
+        first, second, _, _ = engine_pair(make_runtime, redis_server.url)
         first.engine.classify("text", "refund")
         assert second.engine.classify("text", "refund").tier == "l2"
         assert second.engine.classify("text", "refund").tier == "l1"
