@@ -115,6 +115,16 @@ class FlushResult:
 RequestListener = Callable[[RequestRecord], None]
 
 
+class _L2Budget:
+    """Per request: after one L2 failure, skip L2 for the rest of the request, so a
+    slow or dead Redis costs a request at most one socket timeout."""
+
+    __slots__ = ("available",)
+
+    def __init__(self, available: bool) -> None:
+        self.available = available
+
+
 class InferenceEngine:
     """Classifies through the tiered cache. Thread-safe; one per process."""
 
@@ -243,9 +253,10 @@ class InferenceEngine:
         probe: bool,
         started: float,
     ) -> ClassifyResult:
+        budget = _L2Budget(self._l2 is not None)
         raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", model.version, generation,
                                raw_digest(raw)))  # fmt: skip
-        remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), use_l2=True)
+        remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), budget)
         canonical = None
         if isinstance(remembered, CachedRejection):
             self._count("negative_hits")
@@ -255,20 +266,22 @@ class InferenceEngine:
         else:
             if probe and not getattr(model, "cheap_canonicalize", False):
                 raise ProbeMiss()
-            canonical = self._canonicalize(model, raw, raw_key)
+            canonical = self._canonicalize(model, raw, raw_key, budget)
             digest = digest_parts(canonical.fingerprint_parts())
-            self._store(raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s)
+            self._store(raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s, budget)
 
         key = str(CacheKey(self._policy.prefix, task, model.version, generation, digest))
         # Outside probe mode L2 is read inside the flight, so N concurrent misses cost
         # one Redis read; a probe has no flight and must look at L2 itself.
-        cached, tier = self._lookup(key, (CachedResult,), use_l2=probe)
+        cached, tier = self._lookup(key, (CachedResult,), budget if probe else None)
         if cached is None:
             if probe:
                 raise ProbeMiss()
             if canonical is None:  # the alias outlived its result (evicted or flushed)
-                canonical = self._canonicalize(model, raw, raw_key)
-            (cached, tier), shared = self._flights.run(key, lambda: self._compute(key, model, canonical))
+                canonical = self._canonicalize(model, raw, raw_key, budget)
+            (cached, tier), shared = self._flights.run(
+                key, lambda: self._compute(key, model, canonical, budget)
+            )
             if shared:
                 tier = "coalesced"
         self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
@@ -286,19 +299,21 @@ class InferenceEngine:
             age_s=0.0 if tier == "miss" else max(0.0, now - cached.created_at),
         )
 
-    def _canonicalize(self, model: Classifier, raw: Any, raw_key: str) -> Any:
+    def _canonicalize(self, model: Classifier, raw: Any, raw_key: str, budget: _L2Budget) -> Any:
         try:
             return model.canonicalize(raw)
         except InvalidInputError as exc:
             # Remember the rejection briefly: a repeat costs a lookup, not a decode.
             rejection = CachedRejection(exc.code, exc.message, self._clock())
             ttl = self._policy.negative_ttl_s
-            self._store(raw_key, rejection, ttl, min(float(ttl), self._policy.l1_ttl_s))
+            self._store(raw_key, rejection, ttl, min(float(ttl), self._policy.l1_ttl_s), budget)
             raise
 
-    def _compute(self, key: str, model: Classifier, canonical: Any) -> tuple[CachedResult, str]:
+    def _compute(
+        self, key: str, model: Classifier, canonical: Any, budget: _L2Budget
+    ) -> tuple[CachedResult, str]:
         # Inside the flight: another flight for this key may have just filled L1.
-        cached, tier = self._lookup(key, (CachedResult,), use_l2=True)
+        cached, tier = self._lookup(key, (CachedResult,), budget)
         if cached is not None:
             return cached, tier  # type: ignore[return-value]
         model_started = time.perf_counter()
@@ -316,20 +331,22 @@ class InferenceEngine:
                 self._counters.model_calls[model.task] += 1
                 self._counters.model_seconds[model.task] += elapsed
         result = CachedResult(prediction, model.version, self._clock())
-        self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s)
+        self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, budget)
         return result, "miss"
 
     def _lookup(
-        self, key: str, expected: tuple[type, ...], *, use_l2: bool
+        self, key: str, expected: tuple[type, ...], budget: _L2Budget | None
     ) -> tuple[CachedValue | None, str]:
+        """L1, then (when `budget` allows) L2 with promotion into L1."""
         value = self._l1.get(key)
         if value is not None:
             return value, "l1"
-        if not use_l2 or self._l2 is None:
+        if budget is None or not budget.available or self._l2 is None:
             return None, "miss"
         try:
             raw = self._l2.get(key)
         except CacheUnavailableError:
+            budget.available = False
             self._count("l2_errors")
             return None, "miss"
         if raw is None:
@@ -344,6 +361,7 @@ class InferenceEngine:
             try:
                 self._l2.delete(key)
             except CacheUnavailableError:
+                budget.available = False
                 self._count("l2_errors")
             return None, "miss"
         self._l1.set(key, value, size=len(raw) + len(key), ttl_s=self._l1_ttl_for(value))
@@ -354,13 +372,14 @@ class InferenceEngine:
             return min(float(self._policy.negative_ttl_s), self._policy.l1_ttl_s)
         return self._policy.l1_ttl_s
 
-    def _store(self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float) -> None:
+    def _store(self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float, budget: _L2Budget) -> None:
         blob = encode(value)
         self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
-        if self._l2 is not None:
+        if self._l2 is not None and budget.available:
             try:
                 self._l2.set(key, blob, ttl_s=l2_ttl_s)
             except CacheUnavailableError:
+                budget.available = False
                 self._count("l2_errors")
 
     # ---- bookkeeping ------------------------------------------------------
