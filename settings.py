@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MIB = 1024 * 1024
+# Pillow refuses larger headers itself (2 x its MAX_IMAGE_PIXELS); ours must stay below.
+PILLOW_PIXEL_CEILING = 178_956_970
 
 
 class SettingsError(ValueError):
@@ -48,6 +50,13 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
     value = env.get(name, "").strip().lower() or default
     if value not in choices:
         raise SettingsError(f"{name}={value!r} must be one of {', '.join(choices)}")
+    return value
+
+
+def _bounded_pixels(env: Mapping[str, str]) -> int:
+    value = _int(env, "MAX_IMAGE_PIXELS", 40_000_000, minimum=1)
+    if value > PILLOW_PIXEL_CEILING:
+        raise SettingsError(f"MAX_IMAGE_PIXELS={value} exceeds what Pillow decodes ({PILLOW_PIXEL_CEILING})")
     return value
 
 
@@ -119,6 +128,6 @@ class Settings:
             breaker_reset_s=_float(env, "BREAKER_RESET_S", 2.0, minimum=0.01),
             generation_refresh_s=_float(env, "GENERATION_REFRESH_S", 0.5, minimum=0.01),
             max_upload_bytes=_int(env, "MAX_UPLOAD_BYTES", 20 * MIB, minimum=1),
-            max_image_pixels=_int(env, "MAX_IMAGE_PIXELS", 40_000_000, minimum=1),
+            max_image_pixels=_bounded_pixels(env),
             max_text_chars=_int(env, "MAX_TEXT_CHARS", 2000, minimum=1),
         )

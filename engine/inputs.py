@@ -30,6 +30,7 @@ _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u20
 # Joiners shape some scripts (Persian, Indic) and emoji sequences: keep them.
 _KEPT_FORMAT_CHARS = frozenset("\u200c\u200d")
 _WHITESPACE = re.compile(r"\s+")
+_PILLOW_PIXELS = re.compile(r"Image size \((\d+) pixels\)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,10 +105,13 @@ def canonicalize_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Canon
         )
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # Our own limit below is checked on the header; Pillow's warning adds nothing.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(bytes(data)))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise _too_many_pixels(None, max_pixels) from None
+    except Image.DecompressionBombError as exc:
+        # Beyond twice Pillow's own limit the header's size is only in the message.
+        found = _PILLOW_PIXELS.search(str(exc))
+        raise _too_many_pixels(None, max_pixels, int(found.group(1)) if found else None) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
         raise InvalidInputError(
             "not_an_image",
@@ -144,12 +148,18 @@ def canonicalize_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Canon
     return CanonicalImage(pixels)
 
 
-def _too_many_pixels(size: tuple[int, int] | None, max_pixels: int) -> InvalidInputError:
-    dims = f"{size[0]:,} x {size[1]:,} pixels" if size else "too many pixels"
+def _too_many_pixels(
+    size: tuple[int, int] | None, max_pixels: int, pixel_count: int | None = None
+) -> InvalidInputError:
+    if size is not None:
+        found = f"The image is {size[0]:,} x {size[1]:,} pixels"
+    elif pixel_count is not None:
+        found = f"The image has {pixel_count:,} pixels"
+    else:
+        found = "The image has too many pixels"
     return InvalidInputError(
         "image_too_large",
-        f"The image is {dims}; the limit is {max_pixels / 1e6:.0f} megapixels. "
-        "Please upload a smaller image.",
+        f"{found}; the limit is {max_pixels / 1e6:.0f} megapixels. Please upload a smaller image.",
     )
 
 
