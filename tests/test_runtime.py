@@ -1,0 +1,93 @@
+"""Settings from the environment and the composition root's L2 choices."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+
+from engine.runtime import build_runtime
+from settings import Settings, SettingsError
+from tests.conftest import CountingTextModel
+
+
+class TestSettings:
+    def test_defaults(self) -> None:
+        settings = Settings.from_env({})
+        assert settings.port == 7860 and settings.device == "auto"
+        assert settings.redis_url is None and settings.data_dir == Path("data")
+        assert settings.effective_database_url == "sqlite:///data/requests.sqlite3"
+        assert settings.cache_l1_max_bytes == 256 * 1024 * 1024
+
+    def test_reads_each_variable(self) -> None:
+        settings = Settings.from_env(
+            {"PORT": "8000", "DEVICE": "CPU", "REDIS_URL": "OFF", "DATA_DIR": "/tmp/x",
+             "CACHE_L1_MAX_BYTES": "1024", "CACHE_TTL_S": "5", "ADMIN_TOKEN": " secret "}
+        )  # fmt: skip
+        assert (settings.port, settings.device, settings.redis_url) == (8000, "cpu", "off")
+        assert settings.l2_disabled and settings.data_dir == Path("/tmp/x")
+        assert (settings.cache_l1_max_bytes, settings.cache_ttl_s) == (1024, 5)
+        assert settings.admin_token == "secret"
+
+    @pytest.mark.parametrize(
+        ("env", "message"),
+        [
+            ({"PORT": "http"}, "PORT"),
+            ({"DEVICE": "tpu"}, "DEVICE"),
+            ({"REDIS_URL": "localhost:6379"}, "REDIS_URL"),
+            ({"CACHE_TTL_S": "0"}, "CACHE_TTL_S"),
+            ({"MAX_IMAGE_PIXELS": "999999999"}, "MAX_IMAGE_PIXELS"),
+        ],
+    )
+    def test_refuses_unusable_values_with_the_variable_name(self, env, message) -> None:
+        with pytest.raises(SettingsError, match=message):
+            Settings.from_env(env)
+
+
+def test_private_redis_when_redis_url_is_unset(base_settings, redis_binary, tmp_path) -> None:
+    settings = replace(base_settings, redis_url=None, data_dir=tmp_path / "d")
+    runtime = build_runtime(settings, models={"text": CountingTextModel()})
+    try:
+        assert runtime.l2_url is not None and runtime.l2_url.startswith("unix://")
+        socket_path = runtime.l2_url.removeprefix("unix://")
+        assert os.stat(socket_path).st_mode & 0o077 == 0  # only this user may connect
+        assert runtime.engine.cache_state()["l2"]["state"] == "up"
+        runtime.engine.classify("text", "persist me")
+        client = redis.Redis(unix_socket_path=socket_path)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "allkeys-lru"
+        assert int(client.config_get("maxmemory")["maxmemory"]) > 0
+        assert client.config_get("port")["port"] == "0"  # no TCP listener
+        client.close()
+    finally:
+        runtime.close()
+    assert not Path(socket_path).exists() or not _answers(socket_path)
+    assert (tmp_path / "d" / "redis" / "cache.rdb").is_file()  # snapshot written on shutdown
+
+    again = build_runtime(settings, models={"text": CountingTextModel()})
+    try:  # the snapshot brings the L2 entries back after a restart
+        assert again.engine.classify("text", "persist me").tier == "l2"
+    finally:
+        again.close()
+
+
+def _answers(socket_path: str) -> bool:
+    client = redis.Redis(unix_socket_path=socket_path, socket_timeout=0.2)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def test_l1_only_with_a_notice_when_redis_server_is_missing(base_settings, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("engine.runtime.find_redis_server", lambda: None)
+    settings = replace(base_settings, redis_url=None, data_dir=tmp_path / "d")
+    with build_runtime(settings, models={"text": CountingTextModel()}) as runtime:
+        state = runtime.engine.cache_state()["l2"]
+        assert state["state"] == "disabled" and "redis-server is not installed" in state["notice"]
+        assert runtime.engine.classify("text", "x").tier == "miss"
+        assert runtime.engine.classify("text", "x").tier == "l1"
