@@ -60,6 +60,13 @@ def _bounded_pixels(env: Mapping[str, str]) -> int:
     return value
 
 
+def _admin_token(env: Mapping[str, str]) -> str | None:
+    token = env.get("ADMIN_TOKEN", "").strip() or None
+    if token is not None and len(token) < 8:
+        raise SettingsError("ADMIN_TOKEN must be at least 8 characters (or unset to generate one)")
+    return token
+
+
 @dataclass(frozen=True)
 class Settings:
     port: int = 7860
@@ -85,6 +92,8 @@ class Settings:
     max_upload_bytes: int = 20 * MIB
     max_image_pixels: int = 40_000_000
     max_text_chars: int = 2000
+    log_retention_days: float = 30.0
+    log_max_rows: int = 1_000_000
 
     @property
     def l2_disabled(self) -> bool:
@@ -116,7 +125,7 @@ class Settings:
             redis_url=redis_url,
             data_dir=Path(env.get("DATA_DIR", "").strip() or "data"),
             database_url=env.get("DATABASE_URL", "").strip() or None,
-            admin_token=env.get("ADMIN_TOKEN", "").strip() or None,
+            admin_token=_admin_token(env),
             cache_prefix=env.get("CACHE_PREFIX", "").strip() or "infcache",
             cache_l1_max_bytes=_int(env, "CACHE_L1_MAX_BYTES", 256 * MIB, minimum=0),
             cache_l1_ttl_s=_float(env, "CACHE_L1_TTL_S", 3600.0, minimum=0.001),
@@ -130,4 +139,6 @@ class Settings:
             max_upload_bytes=_int(env, "MAX_UPLOAD_BYTES", 20 * MIB, minimum=1),
             max_image_pixels=_bounded_pixels(env),
             max_text_chars=_int(env, "MAX_TEXT_CHARS", 2000, minimum=1),
+            log_retention_days=_float(env, "LOG_RETENTION_DAYS", 30.0, minimum=0.001),
+            log_max_rows=_int(env, "LOG_MAX_ROWS", 1_000_000, minimum=100),
         )

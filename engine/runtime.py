@@ -7,16 +7,20 @@ import logging
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
 
+from admin.auth import AdminAuth, generate_token
+from admin.metrics import Metrics
+from admin.service import AdminService, record_to_row
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.models.base import Classifier
 from engine.service import CachePolicy, InferenceEngine
 from settings import Settings
 from storage.breaker import CircuitBreaker
 from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
+from storage.log_writer import RequestLogWriter
 from storage.memory import MemoryStore
 from storage.redis_store import RedisStore, make_client
+from storage.sql import make_engine, migrate
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +50,11 @@ class Runtime:
     settings: Settings
     engine: InferenceEngine
     l2_url: str | None
+    admin: AdminService
+    auth: AdminAuth
+    metrics: Metrics
+    log_writer: RequestLogWriter
     _stack: ExitStack = field(repr=False)
-    extras: dict[str, Any] = field(default_factory=dict)
 
     def close(self) -> None:
         self._stack.close()
@@ -57,6 +64,13 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _generated_token() -> str:
+    token = generate_token()
+    # Printed once, to the server log only: whoever can read it is local to the server.
+    log.warning("ADMIN_TOKEN is not set; this run's admin token is: %s", token)
+    return token
 
 
 def _redacted(url: str) -> str:
@@ -106,7 +120,23 @@ def build_runtime(
         if isinstance(generation, RedisGeneration):
             generation.start()
         stack.callback(generation.close)  # closed before the store it polls
-        return Runtime(settings=settings, engine=engine, l2_url=l2_url, _stack=stack)
+
+        db = make_engine(settings.effective_database_url)
+        stack.callback(db.dispose)
+        migrate(db)
+        writer = RequestLogWriter(
+            db, retention_days=settings.log_retention_days, max_rows=settings.log_max_rows
+        )
+        stack.callback(writer.close)  # flushes queued rows before the database goes
+        engine.add_listener(lambda record: writer.submit(record_to_row(record)))
+        metrics = Metrics(engine, writer)
+        engine.add_listener(metrics.observe)
+        admin = AdminService(engine=engine, db=db, writer=writer)
+        auth = AdminAuth(settings.admin_token or _generated_token())
+        return Runtime(
+            settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
+            log_writer=writer, _stack=stack,
+        )  # fmt: skip
     except BaseException:
         stack.close()
         raise

@@ -65,10 +65,11 @@ class ClassifyResult:
     latency_ms: float
     device: str
     age_s: float
+    model_ms: float | None = None  # forward time, on the request that ran the model
 
     def cache_info(self) -> dict[str, Any]:
         info = asdict(self)
-        del info["prediction"]
+        del info["prediction"], info["model_ms"]
         return info
 
 
@@ -146,7 +147,7 @@ class InferenceEngine:
         self._policy = policy
         self._l2_notice = l2_notice
         self._clock = clock
-        self._flights: SingleFlight[tuple[CachedResult, str]] = SingleFlight()
+        self._flights: SingleFlight[tuple[CachedResult, str, float | None]] = SingleFlight()
         self._counters = EngineCounters(
             model_calls={task: 0 for task in self._models},
             model_seconds={task: 0.0 for task in self._models},
@@ -279,11 +280,13 @@ class InferenceEngine:
                 raise ProbeMiss()
             if canonical is None:  # the alias outlived its result (evicted or flushed)
                 canonical = self._canonicalize(model, raw, raw_key, budget)
-            (cached, tier), shared = self._flights.run(
+            (cached, tier, model_ms), shared = self._flights.run(
                 key, lambda: self._compute(key, model, canonical, budget)
             )
             if shared:
-                tier = "coalesced"
+                tier, model_ms = "coalesced", None
+        else:
+            model_ms = None
         self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
                      "coalesced": "coalesced"}[tier])  # fmt: skip
         now = self._clock()
@@ -297,6 +300,7 @@ class InferenceEngine:
             latency_ms=(time.perf_counter() - started) * 1000.0,
             device=model.device,
             age_s=0.0 if tier == "miss" else max(0.0, now - cached.created_at),
+            model_ms=model_ms,
         )
 
     def _canonicalize(self, model: Classifier, raw: Any, raw_key: str, budget: _L2Budget) -> Any:
@@ -311,11 +315,11 @@ class InferenceEngine:
 
     def _compute(
         self, key: str, model: Classifier, canonical: Any, budget: _L2Budget
-    ) -> tuple[CachedResult, str]:
+    ) -> tuple[CachedResult, str, float | None]:
         # Inside the flight: another flight for this key may have just filled L1.
         cached, tier = self._lookup(key, (CachedResult,), budget)
         if cached is not None:
-            return cached, tier  # type: ignore[return-value]
+            return cached, tier, None  # type: ignore[return-value]
         model_started = time.perf_counter()
         try:
             prediction = model.predict_batch([canonical])[0]
@@ -332,7 +336,7 @@ class InferenceEngine:
                 self._counters.model_seconds[model.task] += elapsed
         result = CachedResult(prediction, model.version, self._clock())
         self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, budget)
-        return result, "miss"
+        return result, "miss", elapsed * 1000.0
 
     def _lookup(
         self, key: str, expected: tuple[type, ...], budget: _L2Budget | None
@@ -395,7 +399,7 @@ class InferenceEngine:
             at=self._clock(), task=task, tier=result.tier, latency_ms=result.latency_ms,
             status="ok", error_code=None, key_digest=result.key.rsplit(":", 1)[-1][:16],
             model_version=result.model_version, generation=result.generation,
-            top_label=result.prediction.top_label,
+            top_label=result.prediction.top_label, model_ms=result.model_ms,
         )  # fmt: skip
         self._notify(record)
 

@@ -25,12 +25,12 @@ class TestSettings:
     def test_reads_each_variable(self) -> None:
         settings = Settings.from_env(
             {"PORT": "8000", "DEVICE": "CPU", "REDIS_URL": "OFF", "DATA_DIR": "/tmp/x",
-             "CACHE_L1_MAX_BYTES": "1024", "CACHE_TTL_S": "5", "ADMIN_TOKEN": " secret "}
+             "CACHE_L1_MAX_BYTES": "1024", "CACHE_TTL_S": "5", "ADMIN_TOKEN": " secret-token "}
         )  # fmt: skip
         assert (settings.port, settings.device, settings.redis_url) == (8000, "cpu", "off")
         assert settings.l2_disabled and settings.data_dir == Path("/tmp/x")
         assert (settings.cache_l1_max_bytes, settings.cache_ttl_s) == (1024, 5)
-        assert settings.admin_token == "secret"
+        assert settings.admin_token == "secret-token"
 
     @pytest.mark.parametrize(
         ("env", "message"),

@@ -189,9 +189,7 @@ class TestCircuitBreaker:
         return CircuitBreaker(failure_threshold=3, reset_s=2.0, max_reset_s=5.0, clock=clock,
                               rng=random.Random(1))  # fmt: skip
 
-    def test_opens_after_threshold_then_probes_once(
-        self, breaker: CircuitBreaker, clock: FakeClock
-    ) -> None:
+    def test_opens_after_threshold_then_probes_once(self, breaker: CircuitBreaker, clock: FakeClock) -> None:
         for _ in range(2):
             breaker.record_failure()
         assert breaker.allow() and breaker.state is BreakerState.CLOSED
@@ -273,5 +271,3 @@ class TestCodec:
     def test_corrupt_or_foreign_values_are_refused(self, blob: bytes) -> None:
         with pytest.raises(UndecodableValue):
             decode(blob)
-
-

@@ -128,7 +128,12 @@ TEXT_EXAMPLES = [
 ]
 
 
-def build_demo(engine: InferenceEngine, *, max_upload_bytes: int) -> gr.Blocks:
+def build_demo(
+    engine: InferenceEngine,
+    *,
+    max_upload_bytes: int,
+    admin_tab: Callable[[], None] | None = None,
+) -> gr.Blocks:
     callbacks = make_callbacks(engine, max_upload_bytes=max_upload_bytes)
     image_model = engine.models.get("image")
     text_model = engine.models.get("text")
@@ -192,4 +197,6 @@ def build_demo(engine: InferenceEngine, *, max_upload_bytes: int) -> gr.Blocks:
                 )  # fmt: skip
                 text_event.then(badge_text, inputs=text_info, outputs=text_badge,
                                 api_visibility="private", queue=False)  # fmt: skip
+            if admin_tab is not None:
+                admin_tab()
     return demo

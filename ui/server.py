@@ -9,8 +9,9 @@ import time
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
+from admin.api import build_router
+from admin.tab import build_admin_tab
 from engine.runtime import Runtime
 from ui.app_ui import build_demo
 
@@ -23,25 +24,14 @@ def build_app(runtime: Runtime) -> FastAPI:
     settings = runtime.settings
     engine = runtime.engine
     app = FastAPI(title="Inference cache", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    def readyz() -> JSONResponse:
-        state = engine.cache_state()
-        ready = bool(engine.models)
-        body = {
-            "status": "ready" if ready else "starting",
-            "models": state["models"],
-            "l2": state["l2"]["state"],
-            "l2_notice": state["l2"].get("notice"),
-            "generation": state["generation"],
-        }
-        return JSONResponse(body, status_code=200 if ready else 503)
-
-    demo = build_demo(engine, max_upload_bytes=settings.max_upload_bytes)
+    app.include_router(
+        build_router(engine=engine, admin=runtime.admin, auth=runtime.auth, metrics=runtime.metrics)
+    )
+    demo = build_demo(
+        engine,
+        max_upload_bytes=settings.max_upload_bytes,
+        admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth),
+    )
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
     return gr.mount_gradio_app(
         app,

@@ -1,0 +1,103 @@
+"""The admin JSON API: every call needs `Authorization: Bearer $ADMIN_TOKEN`.
+
+Wrong or missing token: 401 and nothing changes. Repeated failures from one
+client: 429 for a while. Health and metrics endpoints live here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from admin.auth import AdminAuth, AuthOutcome, bearer_token
+from admin.metrics import Metrics
+from admin.service import AdminService
+from engine.errors import InvalidInputError
+from engine.service import InferenceEngine
+
+
+def client_address(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def _refusal(outcome: AuthOutcome) -> JSONResponse:
+    if outcome is AuthOutcome.RATE_LIMITED:
+        return JSONResponse({"error": "too many failed attempts; try again later"}, status_code=429,
+                            headers={"Retry-After": "60"})  # fmt: skip
+    return JSONResponse({"error": "missing or wrong admin token"}, status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+
+def build_router(
+    *, engine: InferenceEngine, admin: AdminService, auth: AdminAuth, metrics: Metrics
+) -> APIRouter:
+    router = APIRouter()
+
+    def authorize(request: Request) -> JSONResponse | None:
+        outcome = auth.check(client_address(request), bearer_token(request.headers.get("authorization")))
+        return None if outcome is AuthOutcome.OK else _refusal(outcome)
+
+    def actor(request: Request) -> str:
+        return f"{auth.fingerprint} api {client_address(request)}"[:64]
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    @router.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @router.get("/readyz")
+    def readyz() -> JSONResponse:
+        state = engine.cache_state()
+        ready = bool(engine.models)
+        body = {
+            "status": "ready" if ready else "starting",
+            "models": state["models"],
+            "l2": state["l2"]["state"],
+            "l2_notice": state["l2"].get("notice"),
+            "generation": state["generation"],
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @router.get("/metrics")
+    def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/admin/api/stats")
+    def admin_stats(request: Request, window: str | None = None) -> JSONResponse:
+        if (refused := authorize(request)) is not None:
+            return refused
+        try:
+            return JSONResponse(admin.stats(window))
+        except InvalidInputError as exc:
+            return JSONResponse({"error": exc.message}, status_code=400)
+
+    @router.post("/admin/api/flush")
+    async def admin_flush(request: Request) -> JSONResponse:
+        if (refused := authorize(request)) is not None:
+            return refused
+        body = await json_body(request)
+        try:
+            result = admin.flush(str(body.get("tier", "")), actor=actor(request))
+        except InvalidInputError as exc:
+            return JSONResponse({"error": exc.message}, status_code=400)
+        return JSONResponse(result)
+
+    @router.post("/admin/api/bump-version")
+    async def admin_bump(request: Request) -> JSONResponse:
+        if (refused := authorize(request)) is not None:
+            return refused
+        body = await json_body(request)
+        note = body.get("note")
+        result = admin.bump_version(actor=actor(request), note=note if isinstance(note, str) else None)
+        return JSONResponse(result, status_code=200 if result["ok"] else 503)
+
+    return router

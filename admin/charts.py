@@ -1,0 +1,102 @@
+"""Plotly figures built from the read models' plain data (see AdminService.stats)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import plotly.graph_objects as go
+
+from admin.stats import OVERFLOW_MS, TIERS
+
+TIER_COLOURS = {"l1": "#16a34a", "l2": "#2563eb", "coalesced": "#9333ea", "miss": "#ea580c"}
+TIER_NAMES = {"l1": "L1 memory", "l2": "L2 Redis", "coalesced": "coalesced", "miss": "miss (model)"}
+
+
+def _layout(fig: go.Figure, title: str, **extra: Any) -> go.Figure:
+    layout: dict[str, Any] = {
+        "title": title, "height": 320, "margin": {"l": 50, "r": 20, "t": 50, "b": 40},
+        "legend": {"orientation": "h", "y": -0.2}, "template": "plotly_white",
+    }  # fmt: skip
+    fig.update_layout(**(layout | extra))
+    return fig
+
+
+def _minute_times(per_minute: list[dict[str, Any]]) -> list[datetime]:
+    return [datetime.fromtimestamp(b["minute"], tz=UTC) for b in per_minute]
+
+
+def hit_rate_figure(per_minute: list[dict[str, Any]]) -> go.Figure:
+    fig = go.Figure(
+        go.Scatter(
+            x=_minute_times(per_minute),
+            y=[None if b["hit_rate"] is None else 100.0 * b["hit_rate"] for b in per_minute],
+            mode="lines+markers",
+            name="hit rate",
+            line={"color": TIER_COLOURS["l1"]},
+        )
+    )
+    return _layout(fig, "Hit rate per minute (%)", yaxis={"range": [0, 100], "ticksuffix": "%"})
+
+
+def tiers_figure(per_minute: list[dict[str, Any]]) -> go.Figure:
+    times = _minute_times(per_minute)
+    fig = go.Figure(
+        [
+            go.Bar(
+                x=times,
+                y=[b["by_tier"].get(tier, 0) for b in per_minute],
+                name=TIER_NAMES[tier],
+                marker_color=TIER_COLOURS[tier],
+            )
+            for tier in TIERS
+        ]
+    )
+    return _layout(fig, "Requests by tier per minute", barmode="stack")
+
+
+def latency_figure(latency: list[dict[str, Any]]) -> go.Figure:
+    traces = []
+    for tier in TIERS:
+        buckets = [b for b in latency if b["tier"] == tier]
+        if not buckets:
+            continue
+        traces.append(
+            go.Bar(
+                x=[b["upper_ms"] if b["upper_ms"] < OVERFLOW_MS else 20000.0 for b in buckets],
+                y=[b["count"] for b in buckets],
+                name=TIER_NAMES[tier],
+                marker_color=TIER_COLOURS[tier],
+            )
+        )
+    fig = go.Figure(traces)
+    return _layout(
+        fig,
+        "Latency by tier (requests per bucket, ms, log axis)",
+        xaxis={"type": "log", "title": "latency ≤ ms"},
+        barmode="group",
+    )
+
+
+def hot_keys_figure(hot_keys: list[dict[str, Any]]) -> go.Figure:
+    keys = list(reversed(hot_keys))  # biggest on top
+    fig = go.Figure(
+        go.Bar(
+            x=[k["count"] for k in keys],
+            y=[f"{k['task']}:{k['key_digest'][:8]}" for k in keys],
+            orientation="h",
+            text=[f"{k['last_label'] or '?'} · {100 * k['share']:.1f}%" for k in keys],
+            textposition="auto",
+            marker_color=TIER_COLOURS["l2"],
+        )
+    )
+    return _layout(fig, "Hot keys (requests, last label, share)", height=max(320, 24 * len(keys) + 80))
+
+
+def all_figures(data: dict[str, Any]) -> dict[str, go.Figure]:
+    return {
+        "hit_rate": hit_rate_figure(data["per_minute"]),
+        "tiers": tiers_figure(data["per_minute"]),
+        "latency": latency_figure(data["latency"]),
+        "hot_keys": hot_keys_figure(data["hot_keys"]),
+    }

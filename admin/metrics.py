@@ -1,0 +1,79 @@
+"""Prometheus metrics: per-request counters fed by the engine's listener, cache state
+read at scrape time. Its own registry (no process-global state); no input data."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.service import InferenceEngine, RequestRecord
+from storage.log_writer import RequestLogWriter
+
+LATENCY_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class _CacheStateCollector(Collector):
+    def __init__(self, engine: InferenceEngine, writer: RequestLogWriter | None) -> None:
+        self._engine = engine
+        self._writer = writer
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        state = self._engine.cache_state()
+        counters = self._engine.counters()
+        yield GaugeMetricFamily("infcache_l1_bytes", "Bytes held by the L1 cache", value=state["l1"]["bytes"])
+        yield GaugeMetricFamily(
+            "infcache_l1_entries", "Entries in the L1 cache", value=state["l1"]["entries"]
+        )
+        yield CounterMetricFamily("infcache_l1_evictions", "L1 capacity evictions",
+                                  value=state["l1"]["evictions"])  # fmt: skip
+        yield CounterMetricFamily(
+            "infcache_l2_errors", "Failed or skipped L2 calls", value=counters.l2_errors
+        )
+        yield CounterMetricFamily("infcache_l2_corrupt_values", "Undecodable L2 values deleted",
+                                  value=counters.corrupt_values)  # fmt: skip
+        breaker = GaugeMetricFamily(
+            "infcache_l2_breaker_state", "L2 circuit breaker: 0 closed, 1 half-open, 2 open, -1 disabled"
+        )
+        breaker.add_metric([], BREAKER_VALUES.get(state["l2"].get("breaker") or "", -1))
+        yield breaker
+        yield GaugeMetricFamily("infcache_generation", "Current cache generation", value=state["generation"])
+        seconds = CounterMetricFamily("infcache_model_seconds", "Seconds spent in model forward passes",
+                                      labels=["task"])  # fmt: skip
+        calls = CounterMetricFamily("infcache_model_calls", "Model forward passes", labels=["task"])
+        for task, value in counters.model_seconds.items():
+            seconds.add_metric([task], value)
+            calls.add_metric([task], counters.model_calls.get(task, 0))
+        yield seconds
+        yield calls
+        if self._writer is not None:
+            writer = self._writer.stats()
+            yield CounterMetricFamily("infcache_log_rows_dropped", "Request-log rows dropped",
+                                      value=writer.dropped)  # fmt: skip
+            yield GaugeMetricFamily(
+                "infcache_log_queue_depth", "Request-log rows waiting", value=writer.queued
+            )
+
+
+class Metrics:
+    """Owns one registry. `observe` is the engine listener; `render` is the /metrics body."""
+
+    def __init__(self, engine: InferenceEngine, writer: RequestLogWriter | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter("infcache_requests", "Requests by task, tier and status",
+                                 ["task", "tier", "status"], registry=self.registry)  # fmt: skip
+        self._latency = Histogram("infcache_request_latency_seconds", "Engine latency by tier",
+                                  ["tier"], buckets=LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
+        self.registry.register(_CacheStateCollector(engine, writer))
+
+    def observe(self, record: RequestRecord) -> None:
+        tier = record.tier or "none"
+        self._requests.labels(record.task, tier, record.status).inc()
+        self._latency.labels(tier).observe(record.latency_ms / 1000.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,123 @@
+"""Operator actions and console data, shared by the JSON API and the Admin tab."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from admin import stats
+from engine.errors import CacheUnavailableError, InvalidInputError
+from engine.service import InferenceEngine, RequestRecord
+from storage.log_writer import RequestLogWriter
+from storage.sql import recent_audit, record_audit
+
+log = logging.getLogger(__name__)
+
+WINDOWS_S = {"5m": 300.0, "1h": 3600.0, "24h": 86400.0, "7d": 7 * 86400.0}
+MAX_NOTE_CHARS = 500
+
+
+def record_to_row(record: RequestRecord) -> dict[str, Any]:
+    return asdict(record)
+
+
+class AdminService:
+    def __init__(
+        self,
+        *,
+        engine: InferenceEngine,
+        db: Engine,
+        writer: RequestLogWriter,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._engine = engine
+        self._db = db
+        self._writer = writer
+        self._clock = clock
+
+    # ---- actions (each audited) --------------------------------------------
+
+    def flush(self, tier: str, *, actor: str) -> dict[str, Any]:
+        if tier not in ("l1", "l2", "all"):
+            raise InvalidInputError("bad_tier", "tier must be one of 'l1', 'l2', 'all'")
+        result = asdict(self._engine.flush(tier))
+        self._audit("flush", {"tier": tier}, result, actor)
+        return result
+
+    def bump_version(self, *, actor: str, note: str | None = None) -> dict[str, Any]:
+        note = (note or "").strip()[:MAX_NOTE_CHARS]
+        before = self._engine.generation
+        try:
+            after = self._engine.bump_generation()
+            result: dict[str, Any] = {"ok": True, "generation_before": before, "generation": after}
+        except CacheUnavailableError as exc:
+            result = {"ok": False, "generation": before, "error": f"Redis unavailable: {exc}"}
+        self._audit("bump_version", {"note": note} if note else {}, result, actor)
+        return result
+
+    def _audit(self, action: str, params: dict[str, Any], result: dict[str, Any], actor: str) -> None:
+        log.info("admin %s %s by %s -> %s", action, params, actor, result)
+        try:
+            record_audit(self._db, at=self._clock(), action=action, params=params, result=result, actor=actor)
+        except Exception:  # the action happened; a failed audit write must be visible, not fatal
+            log.exception("could not write the audit row for %s", action)
+
+    # ---- reads --------------------------------------------------------------
+
+    def window_s(self, window: str | float | None) -> float:
+        if window is None:
+            return WINDOWS_S["1h"]
+        if isinstance(window, str):
+            if window in WINDOWS_S:
+                return WINDOWS_S[window]
+            try:
+                window = float(window)
+            except ValueError:
+                raise InvalidInputError(
+                    "bad_window", f"window must be one of {', '.join(WINDOWS_S)} or seconds"
+                ) from None
+        if not 1 <= window <= 90 * 86400:
+            raise InvalidInputError("bad_window", "window must be between 1 second and 90 days")
+        return float(window)
+
+    def stats(self, window: str | float | None = None) -> dict[str, Any]:
+        """Everything the console shows, as JSON-ready data."""
+        self._writer.flush(timeout_s=1.0)  # show what has just happened
+        window_s = self.window_s(window)
+        now = self._clock()
+        return {
+            "window_s": window_s,
+            "summary": stats.as_plain(stats.summary(self._db, now=now, window_s=window_s)),
+            "per_minute": [
+                {**stats.as_plain(b), "hit_rate": b.hit_rate}
+                for b in stats.per_minute(self._db, now=now, window_s=window_s)
+            ],
+            "latency": stats.as_plain(stats.latency_histogram(self._db, now=now, window_s=window_s)),
+            "hot_keys": stats.as_plain(stats.hot_keys(self._db, now=now, window_s=window_s)),
+            "cache": self.cache_state(),
+            "counters": asdict(self._engine.counters()),
+            "log_writer": asdict(self._writer.stats()),
+        }
+
+    def cache_state(self) -> dict[str, Any]:
+        state = self._engine.cache_state()
+        store = self._engine.l2_store()
+        if store is not None:
+            try:
+                state["l2"]["memory_bytes"] = store.memory_used_bytes()
+                state["l2"]["keys"] = store.count_keys()
+            except CacheUnavailableError:
+                state["l2"]["memory_bytes"] = state["l2"]["keys"] = None
+        return state
+
+    def audit_rows(self, limit: int = 50) -> list[dict[str, Any]]:
+        return [
+            {"at": row.at, "action": row.action, "params": row.params, "result": row.result,
+             "actor": row.actor}
+            for row in recent_audit(self._db, limit=limit)
+        ]  # fmt: skip

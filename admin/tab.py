@@ -1,0 +1,178 @@
+"""The Admin tab. Callbacks translate widgets <-> AdminService; every one of them
+checks the session's sign-in on the server (hidden buttons are not protection)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import gradio as gr
+
+from admin.auth import AdminAuth, AuthOutcome
+from admin.charts import all_figures
+from admin.service import WINDOWS_S, AdminService
+from engine.errors import InvalidInputError
+
+AUDIT_HEADERS = ["time (UTC)", "action", "parameters", "result", "who"]
+NOT_SIGNED_IN = "Sign in with the admin token first."
+
+
+def _client(request: gr.Request | None) -> str:
+    client = getattr(request, "client", None)
+    return getattr(client, "host", None) or "unknown"
+
+
+def _require(session: str | None) -> str:
+    if not session:
+        raise gr.Error(NOT_SIGNED_IN, print_exception=False)
+    return session
+
+
+def stat_cards(data: dict[str, Any]) -> str:
+    summary, cache = data["summary"], data["cache"]
+    rate = "–" if summary["hit_rate"] is None else f"{100 * summary['hit_rate']:.1f}%"
+    tiers = summary["by_tier"]
+    l2 = cache["l2"]
+    l2_detail = l2["state"]
+    if l2.get("keys") is not None:
+        l2_detail += f" · {l2['keys']:,} keys · {l2.get('memory_bytes', 0) / 1e6:.1f} MB"
+    rows = [
+        ("Requests", f"{summary['total']:,}"),
+        ("Hit rate", rate),
+        ("L1 / L2 / coalesced / miss", f"{tiers['l1']:,} / {tiers['l2']:,} / {tiers['coalesced']:,} / "
+                                       f"{tiers['miss']:,}"),
+        ("Model time saved", f"{summary['model_seconds_saved']:.1f} s"),
+        ("Rejected inputs / errors", f"{summary['invalid']:,} / {summary['errors']:,}"),
+        ("L1", f"{cache['l1']['entries']:,} entries · {cache['l1']['bytes'] / 1e6:.2f} MB"),
+        ("L2 (Redis)", l2_detail),
+        ("Generation", str(cache["generation"])),
+        ("Log rows dropped", f"{data['log_writer']['dropped']:,}"),
+    ]  # fmt: skip
+    body = "\n".join(f"| {name} | **{value}** |" for name, value in rows)
+    return f"| | |\n|---|---|\n{body}"
+
+
+def _audit_table(admin: AdminService) -> list[list[str]]:
+    return [
+        [datetime.fromtimestamp(r["at"], tz=UTC).strftime("%Y-%m-%d %H:%M:%S"), r["action"], r["params"],
+         r["result"], r["actor"]]
+        for r in admin.audit_rows()
+    ]  # fmt: skip
+
+
+def make_callbacks(admin: AdminService, auth: AdminAuth) -> dict[str, Callable[..., Any]]:
+    def sign_in(token: str | None, request: gr.Request) -> tuple[Any, ...]:
+        outcome = auth.check(_client(request), (token or "").strip() or None)
+        if outcome is AuthOutcome.OK:
+            session = f"{auth.fingerprint} ui {_client(request)}"[:64]
+            return session, gr.update(visible=False), gr.update(visible=True), "", ""
+        message = ("Too many failed attempts. Wait a minute and try again."
+                   if outcome is AuthOutcome.RATE_LIMITED else "That token is not right.")  # fmt: skip
+        return None, gr.update(visible=True), gr.update(visible=False), f"**{message}**", ""
+
+    def sign_out() -> tuple[Any, ...]:
+        return None, gr.update(visible=True), gr.update(visible=False)
+
+    def refresh(session: str | None, window: str) -> tuple[Any, ...]:
+        _require(session)
+        try:
+            data = admin.stats(window)
+        except InvalidInputError as exc:
+            raise gr.Error(exc.message, print_exception=False) from None
+        figures = all_figures(data)
+        return (stat_cards(data), figures["hit_rate"], figures["tiers"], figures["latency"],
+                figures["hot_keys"], data["cache"], _audit_table(admin))  # fmt: skip
+
+    def flush(session: str | None, tier: str, confirmed: bool) -> str:
+        actor = _require(session)
+        if not confirmed:
+            raise gr.Error("Tick “I understand” to confirm the flush.", print_exception=False)
+        try:
+            result = admin.flush(tier, actor=actor)
+        except InvalidInputError as exc:
+            raise gr.Error(exc.message, print_exception=False) from None
+        parts = [f"L1: {result['l1_removed']:,} removed"]
+        if tier in ("l2", "all"):
+            parts.append(f"L2: {result['l2_removed']:,} removed" if result["l2_removed"] is not None
+                         else f"L2: not flushed ({result['l2_error']})")  # fmt: skip
+        return f"**Flushed {tier}.** " + " · ".join(parts)
+
+    def bump(session: str | None, note: str | None, confirmed: bool) -> str:
+        actor = _require(session)
+        if not confirmed:
+            raise gr.Error("Tick “I understand” to confirm the version bump.", print_exception=False)
+        result = admin.bump_version(actor=actor, note=note)
+        if not result["ok"]:
+            return f"**Version not bumped:** {result['error']}"
+        return f"**Cache version bumped** from {result['generation_before']} to {result['generation']}."
+
+    return {"sign_in": sign_in, "sign_out": sign_out, "refresh": refresh, "flush": flush, "bump": bump}
+
+
+def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
+    """Call inside a `gr.Blocks` context (within `gr.Tabs`)."""
+    cb = make_callbacks(admin, auth)
+    private = {"api_visibility": "undocumented"}  # callable (and refused) without sign-in, not listed
+    with gr.Tab("Admin", id="admin"):
+        session = gr.State(None)  # server-side per browser session: the signed-in actor
+        with gr.Column(visible=True) as login_box:
+            token = gr.Textbox(label="Admin token", type="password", elem_id="admin-token")
+            sign_in_btn = gr.Button("Sign in", elem_id="admin-signin")
+            login_msg = gr.Markdown(elem_id="admin-login-msg")
+        with gr.Column(visible=False, elem_id="admin-console") as console:
+            with gr.Row():
+                window = gr.Radio(list(WINDOWS_S), value="1h", label="Window", elem_id="admin-window")
+                refresh_btn = gr.Button("Refresh", elem_id="admin-refresh")
+                sign_out_btn = gr.Button("Sign out", size="sm")
+            cards = gr.Markdown(elem_id="admin-cards")
+            with gr.Row():
+                hit_plot = gr.Plot(label="Hit rate", elem_id="admin-hit-rate")
+                tier_plot = gr.Plot(label="Requests by tier", elem_id="admin-tiers")
+            with gr.Row():
+                latency_plot = gr.Plot(label="Latency", elem_id="admin-latency")
+                hot_plot = gr.Plot(label="Hot keys", elem_id="admin-hot-keys")
+            state_json = gr.JSON(label="Live cache state", elem_id="admin-state")
+            with gr.Row():
+                with gr.Column():
+                    flush_tier = gr.Radio(["l1", "l2", "all"], value="all", label="Flush tier",
+                                          elem_id="admin-flush-tier")  # fmt: skip
+                    flush_ok = gr.Checkbox(label="I understand: cached answers will be recomputed",
+                                           elem_id="admin-flush-confirm")  # fmt: skip
+                    flush_btn = gr.Button("Flush cache", variant="stop", elem_id="admin-flush")
+                with gr.Column():
+                    note = gr.Textbox(label="Note for the audit log (optional)", elem_id="admin-bump-note")
+                    bump_ok = gr.Checkbox(label="I understand: every cached answer becomes unreachable",
+                                          elem_id="admin-bump-confirm")  # fmt: skip
+                    bump_btn = gr.Button("Bump cache version", variant="stop", elem_id="admin-bump")
+            action_result = gr.Markdown(elem_id="admin-action-result")
+            audit = gr.Dataframe(headers=AUDIT_HEADERS, label="Audit log", interactive=False,
+                                 elem_id="admin-audit")  # fmt: skip
+
+        refresh_outputs = [cards, hit_plot, tier_plot, latency_plot, hot_plot, state_json, audit]
+        sign_in_event = gr.on(
+            [sign_in_btn.click, token.submit], cb["sign_in"], inputs=token,
+            outputs=[session, login_box, console, login_msg, token], api_name="admin_sign_in", **private,
+        )  # fmt: skip
+        sign_in_event.then(_refresh_if_signed_in(cb["refresh"]), inputs=[session, window],
+                           outputs=refresh_outputs, api_visibility="private")  # fmt: skip
+        sign_out_btn.click(cb["sign_out"], outputs=[session, login_box, console], api_visibility="private")
+        gr.on([refresh_btn.click, window.change], cb["refresh"], inputs=[session, window],
+              outputs=refresh_outputs, api_name="admin_refresh", **private)  # fmt: skip
+        flush_btn.click(cb["flush"], inputs=[session, flush_tier, flush_ok], outputs=action_result,
+                        api_name="admin_flush", **private).success(
+            cb["refresh"], inputs=[session, window], outputs=refresh_outputs, api_visibility="private"
+        )  # fmt: skip
+        bump_btn.click(cb["bump"], inputs=[session, note, bump_ok], outputs=action_result,
+                       api_name="admin_bump", **private).success(
+            cb["refresh"], inputs=[session, window], outputs=refresh_outputs, api_visibility="private"
+        )  # fmt: skip
+
+
+def _refresh_if_signed_in(refresh: Callable[..., Any]) -> Callable[..., Any]:
+    def after_sign_in(session: str | None, window: str) -> Any:
+        if not session:
+            return tuple(gr.skip() for _ in range(7))
+        return refresh(session, window)
+
+    return after_sign_in
