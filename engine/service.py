@@ -183,9 +183,13 @@ class InferenceEngine:
         except ProbeMiss:
             raise
         except InvalidInputError as exc:
-            self._emit(task, model, generation, started, status="invalid", error=exc.code)
+            # A probe's failure is not an answer: the queued retry logs and counts it.
+            if not probe:
+                self._emit(task, model, generation, started, status="invalid", error=exc.code)
             raise
         except Exception as exc:
+            if probe:
+                raise
             self._count("errors")
             self._emit(task, model, generation, started, status="error", error=type(exc).__name__)
             if isinstance(exc, ModelError):
@@ -260,6 +264,8 @@ class InferenceEngine:
         remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), budget)
         canonical = None
         if isinstance(remembered, CachedRejection):
+            if probe:  # a probe only answers positive hits; the queued call reports errors
+                raise ProbeMiss()
             self._count("negative_hits")
             raise InvalidInputError(remembered.code, remembered.message)
         if isinstance(remembered, CachedAlias):
@@ -267,7 +273,13 @@ class InferenceEngine:
         else:
             if probe and not getattr(model, "cheap_canonicalize", False):
                 raise ProbeMiss()
-            canonical = self._canonicalize(model, raw, raw_key, budget)
+            if probe:
+                try:
+                    canonical = model.canonicalize(raw)
+                except InvalidInputError:
+                    raise ProbeMiss() from None
+            else:
+                canonical = self._canonicalize(model, raw, raw_key, budget)
             digest = digest_parts(canonical.fingerprint_parts())
             self._store(raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s, budget)
 
