@@ -311,3 +311,16 @@ class TestRealModels:
                 runtime.engine.classify("image", truncated)
         assert error.value.code in ("corrupt_image", "not_an_image")
         assert runtime.engine.counters().negative_hits == 2
+
+
+def test_l1_stays_within_its_byte_budget_under_many_distinct_inputs(make_runtime) -> None:
+    budget = 32 * 1024
+    runtime = make_runtime(redis_url="off", cache_l1_max_bytes=budget)
+    for i in range(3000):
+        runtime.engine.classify("text", f"distinct question number {i}")
+        if i % 100 == 0:
+            assert runtime.engine.cache_state()["l1"]["bytes"] <= budget
+    state = runtime.engine.cache_state()["l1"]
+    assert state["bytes"] <= budget and state["evictions"] > 0
+    assert state["entries"] < 3000 * 2  # results and aliases were evicted, not kept forever
+    assert runtime.engine.classify("text", "distinct question number 2999").tier == "l1"
