@@ -4,6 +4,7 @@ read at scrape time. Its own registry (no process-global state); no input data."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -69,11 +70,18 @@ class Metrics:
         self._latency = Histogram("infcache_request_latency_seconds", "Engine latency by tier",
                                   ["tier"], buckets=LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
         self.registry.register(_CacheStateCollector(engine, writer))
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     def observe(self, record: RequestRecord) -> None:
+        """Runs on every request: label children are looked up once and kept."""
         tier = record.tier or "none"
-        self._requests.labels(record.task, tier, record.status).inc()
-        self._latency.labels(tier).observe(record.latency_ms / 1000.0)
+        key = (record.task, tier, record.status)
+        children = self._children.get(key)
+        if children is None:
+            children = (self._requests.labels(*key), self._latency.labels(tier))
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(record.latency_ms / 1000.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,7 +23,7 @@ MAX_NOTE_CHARS = 500
 
 
 def record_to_row(record: RequestRecord) -> dict[str, Any]:
-    return asdict(record)
+    return record._asdict()
 
 
 class AdminService:

@@ -125,10 +125,11 @@ def build_runtime(
         stack.callback(db.dispose)
         migrate(db)
         writer = RequestLogWriter(
-            db, retention_days=settings.log_retention_days, max_rows=settings.log_max_rows
-        )
+            db, to_row=record_to_row, retention_days=settings.log_retention_days,
+            max_rows=settings.log_max_rows,
+        )  # fmt: skip
         stack.callback(writer.close)  # flushes queued rows before the database goes
-        engine.add_listener(lambda record: writer.submit(record_to_row(record)))
+        engine.add_listener(writer.submit)
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
         admin = AdminService(engine=engine, db=db, writer=writer)

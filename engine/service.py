@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.codec import (
     CachedAlias,
@@ -54,7 +54,7 @@ class CachePolicy:
         return f"{self.prefix}:meta:"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built on every request, and frozen init is slow
 class ClassifyResult:
     prediction: Prediction
     tier: str
@@ -73,9 +73,9 @@ class ClassifyResult:
         return info
 
 
-@dataclass(frozen=True)
-class RequestRecord:
-    """What the request log and metrics see of one request. No raw input."""
+class RequestRecord(NamedTuple):
+    """What the request log and metrics see of one request. No raw input.
+    A NamedTuple: built on every request, so it must be cheap."""
 
     at: float
     task: str
@@ -290,10 +290,14 @@ class InferenceEngine:
         if cached is None:
             if probe:
                 raise ProbeMiss()
-            if canonical is None:  # the alias outlived its result (evicted or flushed)
-                canonical = self._canonicalize(model, raw, raw_key, budget)
+            known = canonical
+
+            def canonical_input() -> Any:
+                # Reached through the raw alias, the input is decoded only if L2 misses too.
+                return known if known is not None else self._canonicalize(model, raw, raw_key, budget)
+
             (cached, tier, model_ms), shared = self._flights.run(
-                key, lambda: self._compute(key, model, canonical, budget)
+                key, lambda: self._compute(key, model, canonical_input, budget)
             )
             if shared:
                 tier, model_ms = "coalesced", None
@@ -326,12 +330,13 @@ class InferenceEngine:
             raise
 
     def _compute(
-        self, key: str, model: Classifier, canonical: Any, budget: _L2Budget
+        self, key: str, model: Classifier, canonical_input: Callable[[], Any], budget: _L2Budget
     ) -> tuple[CachedResult, str, float | None]:
         # Inside the flight: another flight for this key may have just filled L1.
         cached, tier = self._lookup(key, (CachedResult,), budget)
         if cached is not None:
             return cached, tier, None  # type: ignore[return-value]
+        canonical = canonical_input()
         model_started = time.perf_counter()
         try:
             prediction = model.predict_batch([canonical])[0]

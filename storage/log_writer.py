@@ -1,16 +1,16 @@
 """The request-log writer: a bounded queue drained by one background thread in batches.
 
 The request path only calls `submit()`, which never blocks: a full queue drops the
-row and counts it. A locked or slow database delays batches (retried with backoff)
+record and counts it. A locked or slow database delays batches (retried with backoff)
 instead of requests. `close()` writes whatever is queued before returning.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +23,6 @@ from storage.sql import RequestRow
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
-
 
 @dataclass(frozen=True)
 class WriterStats:
@@ -36,15 +34,17 @@ class WriterStats:
 
 
 class RequestLogWriter:
-    """Owns one thread. Rows are plain dicts of RequestRow column values."""
+    """Owns one thread. `submit` takes any record; `to_row` (run on the writer thread,
+    off the request path) turns it into a dict of RequestRow column values."""
 
     def __init__(
         self,
         engine: Engine,
         *,
+        to_row: Callable[[Any], dict[str, Any]] = lambda row: row,
         max_queue: int = 20_000,
         batch_size: int = 500,
-        flush_interval_s: float = 0.25,
+        flush_interval_s: float = 0.2,
         max_attempts: int = 20,
         retention_days: float | None = 30.0,
         max_rows: int | None = 1_000_000,
@@ -52,7 +52,11 @@ class RequestLogWriter:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._engine = engine
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._to_row = to_row
+        # A deque, not queue.Queue: append is one atomic step with no lock or wake-up
+        # on the request path; the writer polls. The bound is checked before append.
+        self._pending: deque[Any] = deque()
+        self._max_queue = max_queue
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._max_attempts = max_attempts
@@ -61,42 +65,41 @@ class RequestLogWriter:
         self._prune_every_s = prune_every_s
         self._clock = clock
         self._lock = threading.Lock()
+        self._in_batch = 0
         self._written = 0
         self._dropped = 0
         self._failed_batches = 0
         self._pruned = 0
         self._closed = False
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="request-log-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, row: dict[str, Any]) -> bool:
-        """Queue one row; never blocks. False (and counted) when the queue is full or closed."""
-        if self._closed:
+    def submit(self, record: Any) -> bool:
+        """Queue one record; never blocks. False (and counted) when the queue is full or closed."""
+        if self._closed or len(self._pending) >= self._max_queue:
             self._count_dropped(1)
             return False
-        try:
-            self._queue.put_nowait(row)
-            return True
-        except queue.Full:
-            self._count_dropped(1)
-            return False
+        self._pending.append(record)
+        return True
 
     def stats(self) -> WriterStats:
         with self._lock:
-            return WriterStats(self._queue.qsize(), self._written, self._dropped, self._failed_batches,
-                               self._pruned)  # fmt: skip
+            return WriterStats(len(self._pending) + self._in_batch, self._written, self._dropped,
+                               self._failed_batches, self._pruned)  # fmt: skip
 
     def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until every row queued so far is written (or dropped). For tests and shutdown."""
+        """Wait until every record submitted so far is written (or dropped). For tests and reads."""
         deadline = time.monotonic() + timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while (self._pending or self._in_batch) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting records, write everything queued, stop the thread. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)  # blocks only if full, and the thread is draining it
+        self._stop.set()
         self._thread.join(timeout=timeout_s)
 
     # ---- the writer thread -------------------------------------------------
@@ -105,58 +108,39 @@ class RequestLogWriter:
         with self._lock:
             self._dropped += n
 
+    def _take_batch(self) -> list[Any]:
+        batch: list[Any] = []
+        with self._lock:
+            while self._pending and len(batch) < self._batch_size:
+                batch.append(self._pending.popleft())
+            self._in_batch = len(batch)
+        return batch
+
     def _run(self) -> None:
         last_prune = 0.0
-        stopping = False
-        while not stopping:
-            batch: list[dict[str, Any]] = []
-            try:
-                item = self._queue.get(timeout=self._flush_interval_s)
-            except queue.Empty:
-                item = None
-            if item is _STOP:
-                stopping = True
-                self._queue.task_done()
-            elif item is not None:
-                batch.append(item)
-            # Take what is already queued, up to a batch.
-            while len(batch) < self._batch_size:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
+        while True:
+            stopping = self._stop.wait(self._flush_interval_s)
+            while True:
+                batch = self._take_batch()
+                if not batch:
                     break
-                if item is _STOP:
-                    stopping = True
-                    self._queue.task_done()
-                    continue
-                batch.append(item)
-            if batch:
                 self._write(batch)
-                for _ in batch:
-                    self._queue.task_done()
+                with self._lock:
+                    self._in_batch = 0
             if stopping:
-                self._drain_rest()
+                return
             now = time.monotonic()
             if now - last_prune >= self._prune_every_s:
                 last_prune = now
                 self._prune()
 
-    def _drain_rest(self) -> None:
-        while True:
-            batch = []
-            while len(batch) < self._batch_size:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                self._queue.task_done()
-                if item is not _STOP:
-                    batch.append(item)
-            if not batch:
-                return
-            self._write(batch)
-
-    def _write(self, batch: list[dict[str, Any]]) -> None:
+    def _write(self, records: list[Any]) -> None:
+        try:
+            batch = [self._to_row(record) for record in records]
+        except Exception:
+            log.exception("request log: could not convert %s records; dropped", len(records))
+            self._count_dropped(len(records))
+            return
         delay = 0.05
         for attempt in range(1, self._max_attempts + 1):
             try:

@@ -324,3 +324,18 @@ def test_l1_stays_within_its_byte_budget_under_many_distinct_inputs(make_runtime
     assert state["bytes"] <= budget and state["evictions"] > 0
     assert state["entries"] < 3000 * 2  # results and aliases were evicted, not kept forever
     assert runtime.engine.classify("text", "distinct question number 2999").tier == "l1"
+
+
+def test_an_l2_hit_through_the_raw_alias_does_not_decode_again(make_runtime, redis_server) -> None:
+    model = CountingTextModel()
+    decodes = []
+    original = model.canonicalize
+    model.canonicalize = lambda raw: decodes.append(raw) or original(raw)  # type: ignore[method-assign]
+    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+    runtime.engine.classify("text", "decode me once")
+    runtime.engine.flush("l1")
+    assert runtime.engine.classify("text", "decode me once").tier == "l2"  # alias and result from L2
+    runtime.engine.flush("l1")
+    assert len([k for k in all_keys(redis_server.url) if b":text-raw:" in k]) == 1
+    assert runtime.engine.classify("text", "decode me once").tier == "l2"
+    assert len(decodes) == 1

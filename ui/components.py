@@ -16,6 +16,10 @@ class UploadedImage(gr.Image):
     any decoding (decompression bombs), and to give bad files a clear error.
     """
 
+    # Use the stock Image widget in the browser: without this, Gradio treats a
+    # subclass as a custom component and the page asks for a bundle that does not exist.
+    is_template = True
+
     def preprocess(self, payload: Any) -> str | None:  # type: ignore[override]
         if payload is None:
             return None
