@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import Any
 
 import plotly.graph_objects as go
 
-from admin.stats import OVERFLOW_MS, TIERS
+from admin.stats import LATENCY_BUCKETS_MS, OVERFLOW_MS, TIERS
 
 TIER_COLOURS = {"l1": "#16a34a", "l2": "#2563eb", "coalesced": "#9333ea", "miss": "#ea580c"}
+OVERFLOW_PLOT_MS = 20_000.0  # where the "slower than every bound" bucket is drawn
 TIER_NAMES = {"l1": "L1 memory", "l2": "L2 Redis", "coalesced": "coalesced", "miss": "miss (model)"}
 
 
@@ -56,25 +58,28 @@ def tiers_figure(per_minute: list[dict[str, Any]]) -> go.Figure:
 
 
 def latency_figure(latency: list[dict[str, Any]]) -> go.Figure:
+    """A step histogram per tier on a log latency axis: hits (µs) and misses (tens of ms)
+    differ by orders of magnitude, so bars on a linear axis would hide one or the other."""
+    bounds = [*LATENCY_BUCKETS_MS, OVERFLOW_PLOT_MS]
     traces = []
     for tier in TIERS:
-        buckets = [b for b in latency if b["tier"] == tier]
-        if not buckets:
+        counts = {b["upper_ms"]: b["count"] for b in latency if b["tier"] == tier}
+        if not counts:
             continue
         traces.append(
-            go.Bar(
-                x=[b["upper_ms"] if b["upper_ms"] < OVERFLOW_MS else 20000.0 for b in buckets],
-                y=[b["count"] for b in buckets],
+            go.Scatter(
+                x=bounds,
+                y=[counts.get(bound, 0) for bound in [*LATENCY_BUCKETS_MS, OVERFLOW_MS]],
                 name=TIER_NAMES[tier],
-                marker_color=TIER_COLOURS[tier],
+                mode="lines+markers",
+                line={"shape": "hv", "color": TIER_COLOURS[tier]},
             )
         )
     fig = go.Figure(traces)
     return _layout(
         fig,
-        "Latency by tier (requests per bucket, ms, log axis)",
-        xaxis={"type": "log", "title": "latency ≤ ms"},
-        barmode="group",
+        "Latency by tier (requests per bucket, log axis)",
+        xaxis={"type": "log", "title": "latency ≤ ms", "range": [math.log10(0.03), math.log10(30000)]},
     )
 
 

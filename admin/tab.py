@@ -3,6 +3,7 @@ checks the session's sign-in on the server (hidden buttons are not protection)."
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -14,6 +15,13 @@ from admin.charts import all_figures
 from admin.service import WINDOWS_S, AdminService
 from engine.errors import InvalidInputError
 
+CARD_CSS = """
+.stat-cards { display: flex; flex-wrap: wrap; gap: 10px; }
+.stat-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px 14px;
+             min-width: 150px; background: var(--background-fill-secondary); }
+.stat-name { font-size: 12px; color: var(--body-text-color-subdued); }
+.stat-value { font-size: 20px; font-weight: 600; }
+"""
 AUDIT_HEADERS = ["time (UTC)", "action", "parameters", "result", "who"]
 NOT_SIGNED_IN = "Sign in with the admin token first."
 
@@ -49,8 +57,12 @@ def stat_cards(data: dict[str, Any]) -> str:
         ("Generation", str(cache["generation"])),
         ("Log rows dropped", f"{data['log_writer']['dropped']:,}"),
     ]  # fmt: skip
-    body = "\n".join(f"| {name} | **{value}** |" for name, value in rows)
-    return f"| | |\n|---|---|\n{body}"
+    cards = "".join(
+        f'<div class="stat-card"><div class="stat-name">{html.escape(name)}</div>'
+        f'<div class="stat-value">{html.escape(value)}</div></div>'
+        for name, value in rows
+    )
+    return f'<div class="stat-cards">{cards}</div>'
 
 
 def _audit_table(admin: AdminService) -> list[list[str]]:
@@ -125,7 +137,7 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
                 window = gr.Radio(list(WINDOWS_S), value="1h", label="Window", elem_id="admin-window")
                 refresh_btn = gr.Button("Refresh", elem_id="admin-refresh")
                 sign_out_btn = gr.Button("Sign out", size="sm")
-            cards = gr.Markdown(elem_id="admin-cards")
+            cards = gr.HTML(elem_id="admin-cards")
             with gr.Row():
                 hit_plot = gr.Plot(label="Hit rate", elem_id="admin-hit-rate")
                 tier_plot = gr.Plot(label="Requests by tier", elem_id="admin-tiers")

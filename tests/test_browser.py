@@ -45,9 +45,12 @@ def browser() -> Iterator[Browser]:
         browser.close()
 
 
+ADMIN_TOKEN = "browser-test-admin-token"
+
+
 @pytest.fixture
 def app_url(make_runtime, real_models, redis_server: EmbeddedRedis) -> Iterator[str]:
-    runtime = make_runtime(models=real_models, redis_url=redis_server.url)
+    runtime = make_runtime(models=real_models, redis_url=redis_server.url, admin_token=ADMIN_TOKEN)
     server = BackgroundServer(build_app(runtime), port=free_port()).start()
     yield server.url
     server.close()
@@ -165,4 +168,57 @@ def test_bad_upload_shows_a_readable_error(page: Page, page_errors: list[str], t
     shot(page, "05-bad-upload")
     expect(page.locator("body")).not_to_contain_text("Traceback")
     expect(page.locator("#image-badge")).not_to_contain_text("Computed on")
+    assert_no_page_errors(page_errors)
+
+
+PLOT_DATA_JS = """(id) => {
+    const plot = document.querySelector(`#${id} .js-plotly-plot`);
+    if (!plot || !plot.data) return null;
+    const values = trace => (trace.orientation === "h" ? trace.x : trace.y) || [];
+    return plot.data.map(trace => Array.from(values(trace)).reduce((a, b) => a + Number(b || 0), 0));
+}"""
+
+
+def sign_in(page: Page, token: str) -> None:
+    page.locator("#admin-token input").fill(token)
+    page.locator("#admin-signin").click()
+
+
+def test_admin_console_signs_in_charts_and_flushes(
+    page: Page, page_errors: list[str], photo_dir: Path
+) -> None:
+    photo = photo_dir / "chelsea.png"
+    upload_image(page, page_errors, photo)
+    page.locator("#image-submit").click()
+    expect(page.locator("#image-badge")).to_contain_text("Computed on", timeout=MODEL_TIMEOUT_MS)
+    page.locator("#image-submit").click()
+    expect(page.locator("#image-badge")).to_contain_text("Served from memory", timeout=UI_TIMEOUT_MS)
+
+    page.get_by_role("tab", name="Admin").click()
+    sign_in(page, "not-the-token")
+    expect(page.locator("#admin-login-msg")).to_contain_text("not right", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#admin-console")).to_be_hidden()
+    shot(page, "06-admin-refused")
+
+    sign_in(page, ADMIN_TOKEN)
+    expect(page.locator("#admin-console")).to_be_visible(timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#admin-cards")).to_contain_text("Hit rate", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#admin-cards")).to_contain_text("50.0%")
+    for plot in ("admin-hit-rate", "admin-tiers", "admin-latency", "admin-hot-keys"):
+        expect(page.locator(f"#{plot} .js-plotly-plot")).to_be_attached(timeout=UI_TIMEOUT_MS)
+        totals = page.evaluate(PLOT_DATA_JS, plot)
+        assert totals and sum(totals) > 0, f"{plot} has no data: {totals}"
+    tiers = page.evaluate(PLOT_DATA_JS, "admin-tiers")
+    assert tiers[:1] == [1] and sum(tiers) == 2  # one L1 hit, one miss (stacked traces: l1 first)
+    shot(page, "07-admin-console")
+
+    page.locator("#admin-flush-confirm input").check()
+    page.locator("#admin-flush").click()
+    expect(page.locator("#admin-action-result")).to_contain_text("Flushed all", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#admin-audit")).to_contain_text("flush", timeout=UI_TIMEOUT_MS)
+    shot(page, "08-admin-flushed")
+
+    page.get_by_role("tab", name="Image").click()
+    page.locator("#image-submit").click()
+    expect(page.locator("#image-badge")).to_contain_text("Computed on", timeout=MODEL_TIMEOUT_MS)
     assert_no_page_errors(page_errors)

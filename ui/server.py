@@ -11,7 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from admin.api import build_router
-from admin.tab import build_admin_tab
+from admin.tab import CARD_CSS, build_admin_tab
 from engine.runtime import Runtime
 from ui.app_ui import build_demo
 
@@ -40,6 +40,7 @@ def build_app(runtime: Runtime) -> FastAPI:
         max_file_size=2 * settings.max_upload_bytes,  # the engine's own limit gives the clearer message
         ssr_mode=False,
         footer_links=["api"],
+        css=CARD_CSS,
     )
 
 
