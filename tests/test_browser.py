@@ -222,3 +222,17 @@ def test_admin_console_signs_in_charts_and_flushes(
     page.locator("#image-submit").click()
     expect(page.locator("#image-badge")).to_contain_text("Computed on", timeout=MODEL_TIMEOUT_MS)
     assert_no_page_errors(page_errors)
+
+
+def test_how_it_works_shows_the_live_hit_rate(page: Page, page_errors: list[str]) -> None:
+    page.get_by_role("tab", name="Text").click()
+    for message in ("I was charged twice for the same order", "I was charged  TWICE for the same order"):
+        page.locator("#text-input textarea").fill(message)
+        page.locator("#text-submit").click()
+        expect(top_class(page, "text-label")).to_have_text("payment_problem", timeout=MODEL_TIMEOUT_MS)
+    expect(page.locator("#text-badge")).to_contain_text("Served from memory", timeout=UI_TIMEOUT_MS)
+    page.get_by_role("tab", name="How it works").click()
+    # Refreshed every 5 s by a timer: 2 answers, one of them a hit.
+    expect(page.locator("#live-stats")).to_contain_text("hit rate 50.0%", timeout=UI_TIMEOUT_MS)
+    shot(page, "09-how-it-works")
+    assert_no_page_errors(page_errors)
