@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from engine.errors import CacheUnavailableError
@@ -94,9 +95,15 @@ class RedisGeneration:
 
     def bump(self) -> int:
         """Increment the shared generation; raises CacheUnavailableError if Redis is down,
-        because a bump other replicas cannot see would split the fleet."""
+        because a bump other replicas cannot see would split the fleet.
+
+        Returns only after two refresh periods: by then every replica that can reach
+        Redis has re-read the generation, so once a bump is acknowledged no healthy
+        replica starts a request under the old one.
+        """
         new = self._store.incr(self._key)
         self._set(new)
+        time.sleep(2 * self._refresh_s + 0.05)
         return new
 
     def _watch(self) -> None:
