@@ -124,6 +124,7 @@ def assert_no_page_errors(errors: list[str]) -> None:
 def test_page_loads_with_image_and_text_tabs(page: Page, page_errors: list[str]) -> None:
     expect(page.get_by_role("tab", name="Image")).to_be_visible()
     expect(page.get_by_role("tab", name="Text")).to_be_visible()
+    expect(page.get_by_role("tab", name="Admin")).to_be_visible()
     image_file_input(page, page_errors)
     expect(page.locator("#image-input")).to_be_visible()
     expect(page.locator("#image-submit")).to_be_visible()
@@ -151,6 +152,11 @@ def test_image_is_computed_then_served_from_memory(
 
 def test_text_message_shows_its_intent(page: Page, page_errors: list[str]) -> None:
     page.get_by_role("tab", name="Text").click()
+    page.get_by_text("Can I talk to a real person please?").click()  # one of the examples
+    expect(page.locator("#text-input textarea")).to_have_value("Can I talk to a real person please?")
+    page.locator("#text-submit").click()
+    expect(top_class(page, "text-label")).to_have_text("human_agent", timeout=MODEL_TIMEOUT_MS)
+    expect(page.locator("#text-badge")).to_contain_text("Computed on", timeout=UI_TIMEOUT_MS)
     page.locator("#text-input textarea").fill("Where is my parcel?")
     page.locator("#text-submit").click()
     expect(top_class(page, "text-label")).to_have_text("order_status", timeout=MODEL_TIMEOUT_MS)
