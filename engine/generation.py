@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 GenerationListener = Callable[[int, int], None]
 
 
-class LocalGeneration:
-    """Generation for a single process with no shared store."""
+class _Generation:
+    """The value and its listeners; subclasses decide where the value lives."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -35,12 +35,22 @@ class LocalGeneration:
     def subscribe(self, listener: GenerationListener) -> None:
         self._listeners.append(listener)
 
+    def _set(self, value: int) -> None:
+        with self._lock:
+            old, self._value = self._value, value
+        if old != value:
+            log.info("cache generation %s -> %s", old, value)
+            for listener in self._listeners:
+                listener(old, value)
+
+
+class LocalGeneration(_Generation):
+    """Generation for a single process with no shared store."""
+
     def bump(self) -> int:
         with self._lock:
-            old, self._value = self._value, self._value + 1
-            new = self._value
-        for listener in self._listeners:
-            listener(old, new)
+            new = self._value + 1
+        self._set(new)
         return new
 
     def refresh(self) -> int:
@@ -50,25 +60,16 @@ class LocalGeneration:
         pass
 
 
-class RedisGeneration:
+class RedisGeneration(_Generation):
     """Generation shared through Redis, polled by one owned background thread."""
 
     def __init__(self, store: RedisStore, *, key: str, refresh_s: float) -> None:
+        super().__init__()
         self._store = store
         self._key = key
         self._refresh_s = refresh_s
-        self._lock = threading.Lock()
-        self._value = 0
-        self._listeners: list[GenerationListener] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @property
-    def current(self) -> int:
-        return self._value
-
-    def subscribe(self, listener: GenerationListener) -> None:
-        self._listeners.append(listener)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -79,14 +80,6 @@ class RedisGeneration:
             log.warning("Redis unreachable at start-up; generation %s until it answers", self._value)
         self._thread = threading.Thread(target=self._watch, name="generation-watcher", daemon=True)
         self._thread.start()
-
-    def _set(self, value: int) -> None:
-        with self._lock:
-            old, self._value = self._value, value
-        if old != value:
-            log.info("cache generation %s -> %s", old, value)
-            for listener in self._listeners:
-                listener(old, value)
 
     def refresh(self) -> int:
         """Read the shared value now (raises CacheUnavailableError when Redis is down)."""

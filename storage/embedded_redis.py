@@ -89,7 +89,7 @@ class EmbeddedRedis:
             self._socket_dir = tempfile.mkdtemp(prefix="infcache-redis-")
             socket_path = Path(self._socket_dir) / "redis.sock"
         if socket_path.exists():
-            if _answers(unix_socket_path=str(socket_path)):
+            if answers_ping(unix_socket_path=str(socket_path)):
                 raise EmbeddedRedisError(
                     f"another redis-server already serves {socket_path}; "
                     "is a second copy of the app using the same DATA_DIR? "
@@ -107,7 +107,7 @@ class EmbeddedRedis:
         deadline = time.monotonic() + self._startup_timeout_s
         while time.monotonic() < deadline:
             self._check_alive()
-            if socket_path.exists() and _answers(unix_socket_path=str(socket_path)):
+            if socket_path.exists() and answers_ping(unix_socket_path=str(socket_path)):
                 self.socket_path = socket_path
                 log.info("started private redis-server (pid %s) at %s", self._process.pid, socket_path)
                 return self.url
@@ -122,7 +122,7 @@ class EmbeddedRedis:
         deadline = time.monotonic() + self._startup_timeout_s
         while time.monotonic() < deadline:
             self._check_alive()
-            if _answers(host="127.0.0.1", port=self._port):
+            if answers_ping(host="127.0.0.1", port=self._port):
                 log.info("started redis-server (pid %s) on 127.0.0.1:%s", self._process.pid, self._port)
                 return self.url
             time.sleep(0.02)
@@ -195,7 +195,8 @@ class EmbeddedRedis:
         self.close()
 
 
-def _answers(**where: object) -> bool:
+def answers_ping(**where: object) -> bool:
+    """True when a Redis at `where` (host/port or unix_socket_path) answers PING quickly."""
     client = redis.Redis(**where, socket_timeout=0.2, socket_connect_timeout=0.2)  # type: ignore[arg-type]
     try:
         return bool(client.ping())

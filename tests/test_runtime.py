@@ -11,6 +11,7 @@ import redis
 
 from engine.runtime import build_runtime
 from settings import Settings, SettingsError
+from storage.embedded_redis import answers_ping
 from tests.conftest import CountingTextModel
 
 
@@ -63,7 +64,7 @@ def test_private_redis_when_redis_url_is_unset(base_settings, redis_binary, tmp_
         client.close()
     finally:
         runtime.close()
-    assert not Path(socket_path).exists() or not _answers(socket_path)
+    assert not Path(socket_path).exists() or not answers_ping(unix_socket_path=socket_path)
     assert (tmp_path / "d" / "redis" / "cache.rdb").is_file()  # snapshot written on shutdown
 
     again = build_runtime(settings, models={"text": CountingTextModel()})
@@ -71,16 +72,6 @@ def test_private_redis_when_redis_url_is_unset(base_settings, redis_binary, tmp_
         assert again.engine.classify("text", "persist me").tier == "l2"
     finally:
         again.close()
-
-
-def _answers(socket_path: str) -> bool:
-    client = redis.Redis(unix_socket_path=socket_path, socket_timeout=0.2)
-    try:
-        return bool(client.ping())
-    except (redis.RedisError, OSError):
-        return False
-    finally:
-        client.close()
 
 
 def test_l1_only_with_a_notice_when_redis_server_is_missing(base_settings, tmp_path, monkeypatch) -> None:
