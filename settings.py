@@ -86,7 +86,9 @@ class Settings:
     cache_negative_ttl_s: int = 60
     redis_socket_timeout_s: float = 0.25
     redis_maxmemory_mb: int = 256
-    breaker_failure_threshold: int = 3
+    # One failed Redis call opens the breaker: a hit is first tried by Gradio's queue
+    # probe and then by the queued call, and each would otherwise pay the socket timeout.
+    breaker_failure_threshold: int = 1
     breaker_reset_s: float = 2.0
     generation_refresh_s: float = 0.5
     max_upload_bytes: int = 20 * MIB
@@ -133,7 +135,7 @@ class Settings:
             cache_negative_ttl_s=_int(env, "CACHE_NEGATIVE_TTL_S", 60, minimum=1),
             redis_socket_timeout_s=_float(env, "REDIS_SOCKET_TIMEOUT_S", 0.25, minimum=0.01),
             redis_maxmemory_mb=_int(env, "REDIS_MAXMEMORY_MB", 256, minimum=1),
-            breaker_failure_threshold=_int(env, "BREAKER_FAILURE_THRESHOLD", 3, minimum=1),
+            breaker_failure_threshold=_int(env, "BREAKER_FAILURE_THRESHOLD", 1, minimum=1),
             breaker_reset_s=_float(env, "BREAKER_RESET_S", 2.0, minimum=0.01),
             generation_refresh_s=_float(env, "GENERATION_REFRESH_S", 0.5, minimum=0.01),
             max_upload_bytes=_int(env, "MAX_UPLOAD_BYTES", 20 * MIB, minimum=1),
