@@ -1,6 +1,10 @@
-"""The stored value format: msgpack maps with a schema tag. Never pickle.
+"""The stored value format: a msgpack map with a schema tag, then an 8-byte
+xxh3-64 checksum of (key + map). Never pickle.
 
-Anything that fails to decode, or carries an unknown schema, raises
+The checksum binds a value to its key: a flipped bit that still parses, or a
+valid value copied under another key, fails the check. (It is not a signature:
+whoever can write to Redis can compute it. Signing is planned.) Anything that
+fails to decode, fails the check or carries an unknown schema raises
 `UndecodableValue`; the cache deletes it and treats it as a miss.
 """
 
@@ -10,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import xxhash
 
 from engine.models.base import Prediction
 
@@ -48,7 +53,14 @@ class CachedRejection:
 CachedValue = CachedResult | CachedAlias | CachedRejection
 
 
-def encode(value: CachedValue) -> bytes:
+CHECKSUM_BYTES = 8
+
+
+def _checksum(key: str, payload: bytes) -> bytes:
+    return xxhash.xxh3_64_digest(key.encode() + b"\0" + payload)
+
+
+def encode(value: CachedValue, *, key: str) -> bytes:
     if isinstance(value, CachedResult):
         doc: dict[str, Any] = {
             "s": RESULT_SCHEMA,
@@ -62,12 +74,16 @@ def encode(value: CachedValue) -> bytes:
         doc = {"s": NEGATIVE_SCHEMA, "c": value.code, "m": value.message, "t": value.created_at}
     else:  # pragma: no cover - the type union is closed
         raise TypeError(f"cannot encode {type(value).__name__}")
-    return msgpack.packb(doc, use_bin_type=True)
+    payload = msgpack.packb(doc, use_bin_type=True)
+    return payload + _checksum(key, payload)
 
 
-def decode(raw: bytes) -> CachedValue:
+def decode(raw: bytes, *, key: str) -> CachedValue:
+    payload, checksum = raw[:-CHECKSUM_BYTES], raw[-CHECKSUM_BYTES:]
+    if len(raw) <= CHECKSUM_BYTES or _checksum(key, payload) != checksum:
+        raise UndecodableValue("checksum mismatch: corrupt, truncated or moved from another key")
     try:
-        doc = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+        doc = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise UndecodableValue(f"not msgpack: {exc.__class__.__name__}") from None
     if not isinstance(doc, dict):

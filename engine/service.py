@@ -373,7 +373,7 @@ class InferenceEngine:
         if raw is None:
             return None, "miss"
         try:
-            value = decode(raw)
+            value = decode(raw, key=key)
             if not isinstance(value, expected):
                 raise UndecodableValue(f"{type(value).__name__} under a {expected[0].__name__} key")
         except UndecodableValue as exc:
@@ -394,7 +394,7 @@ class InferenceEngine:
         return self._policy.l1_ttl_s
 
     def _store(self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float, budget: _L2Budget) -> None:
-        blob = encode(value)
+        blob = encode(value, key=key)
         self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
         if self._l2 is not None and budget.available:
             try:

@@ -249,11 +249,20 @@ class TestCodec:
         ],
     )
     def test_round_trip_is_exact(self, value) -> None:
-        assert decode(encode(value)) == value
+        assert decode(encode(value, key="k:1"), key="k:1") == value
+
+    def test_a_value_moved_to_another_key_or_bit_flipped_is_refused(self) -> None:
+        blob = encode(CachedResult(self.PREDICTION, "v", 1.0), key="k:1")
+        with pytest.raises(UndecodableValue, match="checksum"):
+            decode(blob, key="k:2")
+        label_at = blob.index(b"tabby")
+        flipped = blob[:label_at] + bytes([blob[label_at] ^ 0x02]) + blob[label_at + 1 :]
+        with pytest.raises(UndecodableValue, match="checksum"):
+            decode(flipped, key="k:1")
 
     def test_value_is_msgpack_with_schema_tag_not_pickle(self) -> None:
-        blob = encode(CachedResult(self.PREDICTION, "v", 1.0))
-        assert msgpack.unpackb(blob)["s"] == "infcache.result/1"
+        blob = encode(CachedResult(self.PREDICTION, "v", 1.0), key="k")
+        assert msgpack.unpackb(blob[:-8])["s"] == "infcache.result/1"
         assert not blob.startswith(b"\x80")  # pickle protocol 2+ header
 
     @pytest.mark.parametrize(
@@ -270,4 +279,4 @@ class TestCodec:
     )
     def test_corrupt_or_foreign_values_are_refused(self, blob: bytes) -> None:
         with pytest.raises(UndecodableValue):
-            decode(blob)
+            decode(blob, key="k")

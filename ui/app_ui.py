@@ -79,6 +79,22 @@ def _respond(result: ClassifyResult) -> tuple[dict[str, Any], dict[str, Any]]:
     return result.prediction.as_label_value(), result.cache_info()
 
 
+def _read_upload(path: Path, max_upload_bytes: int) -> bytes:
+    """The uploaded file's bytes; the size is checked before reading it."""
+    try:
+        size = path.stat().st_size
+        if size > max_upload_bytes:
+            raise InvalidInputError(
+                "file_too_large",
+                f"The file is {size / 1e6:.1f} MB; the limit is {max_upload_bytes / 1e6:.1f} MB.",
+            )
+        return path.read_bytes()
+    except OSError:  # gone, a directory, unreadable: nothing a model could be given
+        raise InvalidInputError(
+            "upload_unreadable", "The uploaded file could not be read. Please upload it again."
+        ) from None
+
+
 def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[str, Callable[..., Any]]:
     def classify_image(image: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Classify one image (ImageNet-1k, top 5). Returns the label and cache_info."""
@@ -86,15 +102,8 @@ def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[st
         with user_errors(probe):
             if not image:
                 raise InvalidInputError("no_image", "Please upload an image first.")
-            path = Path(image)
-            if path.stat().st_size > max_upload_bytes:
-                # Let the engine word the error from the size alone, without reading the file.
-                raise InvalidInputError(
-                    "file_too_large",
-                    f"The file is {path.stat().st_size / 1e6:.1f} MB; "
-                    f"the limit is {max_upload_bytes / 1e6:.1f} MB.",
-                )
-            return _respond(engine.classify("image", path.read_bytes(), probe=probe))
+            data = _read_upload(Path(image), max_upload_bytes)
+            return _respond(engine.classify("image", data, probe=probe))
 
     def classify_text(message: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Classify one customer-support message (top 5 intents). Returns the label and cache_info."""

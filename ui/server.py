@@ -18,6 +18,7 @@ from ui.app_ui import build_demo
 log = logging.getLogger(__name__)
 
 QUEUE_MAX_SIZE = 256
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def build_app(runtime: Runtime) -> FastAPI:
@@ -76,4 +77,8 @@ class BackgroundServer:
 def serve(runtime: Runtime) -> None:
     """Blocks until the process is told to stop (SIGINT/SIGTERM handled by uvicorn)."""
     settings = runtime.settings
-    uvicorn.run(build_app(runtime), host=settings.host, port=settings.port, log_level="info")
+    # Open event streams (a browser tab, a gradio_client) must not hold a redeploy hostage.
+    uvicorn.run(
+        build_app(runtime), host=settings.host, port=settings.port, log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )  # fmt: skip

@@ -1,0 +1,184 @@
+"""The workload benchmark's machinery on a handful of requests, so `bench/workload.py` cannot rot.
+
+Nothing here is timed: the figures of a run this small mean nothing. What is checked: the inputs
+are distinct and reproducible, every system answers exactly what the model answers on every
+input (cold, warm and after a restart), and a whole run (every system, both workloads, the HTTP
+run) gives the right counts and ends with a summary line that parses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bench import workload
+from engine.inputs import clean_text
+from storage.embedded_redis import EmbeddedRedis
+
+IMAGES, MESSAGES = 5, 5
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """As the benchmark runs its models (concurrent clients, one intra-op thread each): with
+    torch's default, a busy machine slows these tests down tenfold."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(workload.THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def jobs() -> list[workload.Job]:
+    return workload.make_inputs(IMAGES, MESSAGES)
+
+
+def expected_answers(models: dict[str, Any], jobs: list[workload.Job]) -> list[workload.Labels]:
+    """What the model itself says about every input, decoded the engine's way."""
+    answers = []
+    for task, raw in jobs:
+        model = models[task]
+        answers.append(workload.labels_of(model.predict_batch([model.canonicalize(raw)])[0]))
+    return answers
+
+
+def test_inputs_are_distinct_uploads_and_messages_and_reproducible(jobs, real_models) -> None:
+    assert [task for task, _ in jobs] == ["image"] * IMAGES + ["text"] * MESSAGES
+    images = [raw for task, raw in jobs if task == "image"]
+    assert workload.make_images(IMAGES) == images  # the same seed, the same bytes
+    assert any(raw.startswith(workload.PNG_MAGIC) for raw in images)
+    assert any(raw.startswith(b"\xff\xd8") for raw in images)  # JPEG
+    pixels = {
+        hashlib.sha256(real_models["image"].canonicalize(raw).pixels.tobytes()).digest() for raw in images
+    }
+    assert len(pixels) == IMAGES
+
+    messages = workload.make_messages(300)
+    assert messages[:MESSAGES] == [raw for task, raw in jobs if task == "text"]
+    assert len({clean_text(m, max_chars=2000).text.lower() for m in messages}) == 300
+
+
+def test_streams_follow_their_workload() -> None:
+    zipf = workload.zipf_stream(1000, 5000)
+    assert len(zipf) == 5000 and zipf.min() >= 0 and zipf.max() < 1000
+    assert np.array_equal(zipf, workload.zipf_stream(1000, 5000))
+    counts = np.bincount(zipf, minlength=1000)
+    assert counts.max() > 0.1 * len(zipf)  # the hottest input: about 16% of a Zipf(1.1) stream
+    assert len(np.unique(zipf)) < 1000
+
+    unique = workload.unique_stream(1000, 400)
+    assert len(unique) == len(np.unique(unique)) == 400
+    streams = workload.make_streams(1000, 5000)
+    assert len(streams["unique"]) == workload.unique_requests(5000, 1000) == 1000
+
+
+@pytest.mark.redis
+def test_every_system_answers_like_the_model_on_every_input(
+    jobs, real_models, redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    expected = expected_answers(real_models, jobs)
+    base_url = redis_server.url.rsplit("/", 1)[0]
+    for db, name in enumerate(workload.SYSTEMS):
+        models = workload.counting(real_models)
+        system = workload.build_system(
+            name, models, redis_url=f"{base_url}/{db}", data_dir=tmp_path / name, device="cpu"
+        )
+        try:
+            for attempt in ("cold", "warm", "after a restart"):
+                for index, (task, raw) in enumerate(jobs):
+                    prediction, _ = system.classify(task, raw)
+                    assert workload.labels_of(prediction) == expected[index], (name, attempt, index)
+                if attempt == "warm":
+                    system.restart()
+        finally:
+            system.close()
+        calls = sum(m.calls for m in models.values())
+        # nocache: every request; gr.cache: again after the restart; the others keep Redis.
+        assert calls == {"nocache": 3, "grcache": 2}.get(name, 1) * len(jobs), name
+
+
+@pytest.mark.redis
+def test_a_small_run_counts_right_and_ends_with_the_summary(
+    jobs, real_models, redis_binary, tmp_path
+) -> None:
+    config = workload.Config(
+        requests=30, images=IMAGES, messages=MESSAGES, clients=4, segments=2, isolated=False, http=True
+    )
+    run = workload.run_benchmark(config, models=real_models, log=lambda _: None, workdir=tmp_path)
+    streams = workload.make_streams(len(jobs), config.requests)
+    expected = expected_answers(real_models, jobs)
+
+    for name, stream in streams.items():
+        by_system = run.results[name]
+        assert list(by_system) == list(workload.SYSTEMS)
+        distinct = set(stream.tolist())
+        for system, result in by_system.items():
+            assert result.requests == len(stream), (name, system)
+            assert np.all(result.latencies_ms > 0)
+            assert result.wall_s > 0 and result.throughput > 0
+            assert set(result.answers) == distinct
+            assert all(result.answers[i] == expected[i] for i in distinct), (name, system)
+            assert not result.disagreements
+        assert by_system["nocache"].model_calls == len(stream)
+        assert by_system["ours"].model_calls == len(distinct)  # L2 survives the restart; no duplicates
+        assert sum(by_system["ours"].tiers.values()) == len(stream)
+        assert by_system["ours"].redis_mib is not None and by_system["seed"].redis_mib is not None
+    assert run.results["unique"]["ours"].hit_ratio == 0.0
+    assert run.results["zipf-restart"]["ours"].restart_s is not None
+
+    assert run.http is not None and set(run.http) == set(workload.HTTP_SYSTEMS)
+    zipf = streams["zipf-restart"]
+    for system, result in run.http.items():
+        assert result.requests == len(zipf)
+        assert all(result.answers[i] == expected[i] for i in set(zipf.tolist())), system
+    assert run.http["ours"].model_calls == len(set(zipf.tolist()))
+    assert sum(run.http["ours"].tiers.values()) == len(zipf)
+
+    line = workload.summary_line(run.values)
+    values = workload.parse_summary(line)
+    assert set(values) == set(workload.SUMMARY_KEYS)
+    assert values["hit_ratio"] == pytest.approx(run.results["zipf-restart"]["ours"].hit_ratio, abs=1e-3)
+    assert all(v > 0 for v in values.values() if v == v and v is not values["hit_ratio"])
+    assert not any(" differ" in line for line in run.lines if line.startswith("answers"))
+
+    report, chart = tmp_path / "REPORT.md", tmp_path / "chart.html"
+    report.write_text(f"old table\n{workload.NOTES_MARKER}\nkept notes\n")
+    workload.write_report(run, report, "python -m bench.workload --test")
+    workload.write_chart(run, chart)
+    text = report.read_text()
+    assert "old table" not in text and text.endswith(f"{workload.NOTES_MARKER}\nkept notes\n")
+    assert line in text and "python -m bench.workload --test" in text
+    assert "plotly" in chart.read_text()
+
+
+def test_the_command_line_prints_the_summary_last(real_models, redis_binary, capsys) -> None:
+    small = {
+        "--requests": "10",
+        "--images": "2",
+        "--messages": "2",
+        "--segments": "1",
+        "--systems": "nocache,ours",
+    }
+    argv = [*(part for pair in small.items() for part in pair), "--no-inputs-cache"]
+    assert workload.main(argv, models=real_models) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    values = workload.parse_summary(last)
+    assert values["speedup_vs_nocache"] > 0 and np.isnan(values["speedup_vs_seed"])
+
+
+def test_the_summary_line_is_strict() -> None:
+    good = (
+        "SUMMARY speedup_vs_nocache=7.10 speedup_vs_grcache=1.50 speedup_vs_seed=1.30 "
+        "unique_vs_nocache=0.97 hit_ratio=0.882"
+    )
+    assert workload.parse_summary(good)["hit_ratio"] == 0.882
+    for bad in (good.replace("SUMMARY", "summary"), good + " extra=1", good.replace("=7.10", "=fast")):
+        with pytest.raises(ValueError):
+            workload.parse_summary(bad)
