@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 import zlib
 from collections import Counter
@@ -1414,39 +1415,49 @@ class _Tripwire:
         return (open, (self.path, "w"))
 
 
+def unpack_value(valid: bytes) -> tuple[dict[str, Any], bytes]:
+    """A stored value's msgpack map, and whatever follows it (a checksum, in the current format)."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(valid)
+    doc = next(unpacker)
+    return doc, valid[unpacker.tell() :]
+
+
+def _flip(value: bytes, at: int, mask: int) -> bytes:
+    return value[:at] + bytes([value[at] ^ mask]) + value[at + 1 :]
+
+
 def bit_rot(valid: bytes, kind: str) -> list[tuple[str, bytes]]:
-    """One flipped bit that leaves a well-formed value: what a bad disk, a bad DIMM or a
-    buggy proxy does. Only a checksum can tell these from the real thing."""
-    doc = msgpack.unpackb(valid, raw=False)
+    """One flipped bit that leaves the msgpack well-formed: what a bad disk, a bad DIMM or a
+    buggy proxy does to the stored bytes. Only a checksum can tell these from the real thing."""
+    doc, _ = unpack_value(valid)
     out = []
     if kind == "result":
         label, score = doc["p"][0]
         at = valid.find(label.encode())
         if at >= 0:  # one bit of the top label's first letter (ASCII stays ASCII)
-            out.append(("one bit of the top label", valid[:at] + bytes([valid[at] ^ 0x01]) + valid[at + 1 :]))
+            out.append(("one bit of the top label", _flip(valid, at, 0x01)))
         packed = b"\xcb" + struct.pack(">d", score)
         at = valid.find(packed)
         if at >= 0:  # the last bit of the top score's mantissa
-            end = at + len(packed) - 1
-            out.append(
-                ("one bit of the top score", valid[:end] + bytes([valid[end] ^ 0x01]) + valid[end + 1 :])
-            )
+            out.append(("one bit of the top score", _flip(valid, at + len(packed) - 1, 0x01)))
     else:
         digest = doc["d"]
-        at = next((i for i, c in enumerate(digest) if c.isdigit()), None)
-        if at is not None:  # a digit of the digest becomes another digit
-            rotten = digest[:at] + chr(ord(digest[at]) ^ 0x01) + digest[at + 1 :]
-            out.append(
-                ("one bit of the alias digest", msgpack.packb({**doc, "d": rotten}, use_bin_type=True))
-            )
+        digit = next((i for i, c in enumerate(digest) if c.isdigit()), None)
+        at = valid.find(digest.encode())
+        if digit is not None and at >= 0:  # a digit of the digest becomes another digit
+            out.append(("one bit of the alias digest", _flip(valid, at + digit, 0x01)))
     return out
 
 
-def corruptions(valid: bytes, kind: str, rng: random.Random, tripwire: Path) -> list[tuple[str, bytes]]:
-    """Values a cache key must never serve: damaged copies of the valid value and foreign ones."""
+def corruptions(
+    valid: bytes, kind: str, rng: random.Random, tripwire: Path, neighbour: bytes | None
+) -> list[tuple[str, bytes]]:
+    """Values a cache key must never serve: damaged copies of its value, the value of another
+    live key of the same kind (`neighbour`), and values in foreign formats."""
     flipped = bytearray(valid)
     flipped[rng.randrange(len(flipped))] ^= rng.randrange(1, 256)
-    doc = msgpack.unpackb(valid, raw=False)
+    doc, tail = unpack_value(valid)
     foreign = dict(doc, s=doc["s"].rsplit("/", 1)[0] + "/2")
     other_kind = (
         {"s": ALIAS_SCHEMA, "d": "0" * 32}
@@ -1454,18 +1465,24 @@ def corruptions(valid: bytes, kind: str, rng: random.Random, tripwire: Path) -> 
         else {"s": RESULT_SCHEMA, "p": [["tabby", 0.9]], "v": "x", "t": 1.0}
     )
     wrong_types = {**doc, "t": "yesterday"} if kind == "result" else {**doc, "d": "../../etc"}
+
+    def framed(document: Any) -> bytes:  # in the store's framing, with the original trailer
+        return msgpack.packb(document, use_bin_type=True) + tail
+
+    moved = [("another live key's value", neighbour)] if neighbour is not None and neighbour != valid else []
     return [
         *bit_rot(valid, kind),
+        *moved,
         ("random byte flipped", bytes(flipped)),
         ("truncated", valid[: rng.randrange(1, len(valid))]),
         ("random bytes", rng.randbytes(rng.randint(1, 200))),
         ("empty", b""),
         ("pickle", pickle.dumps(_Tripwire(str(tripwire)))),
         ("json", json.dumps(doc).encode()),
-        ("next schema version", msgpack.packb(foreign, use_bin_type=True)),
-        ("other kind of entry", msgpack.packb(other_kind, use_bin_type=True)),
-        ("a list", msgpack.packb([doc.get("s"), 1, 2], use_bin_type=True)),
-        ("fields of the wrong type", msgpack.packb(wrong_types, use_bin_type=True)),
+        ("next schema version", framed(foreign)),
+        ("other kind of entry", framed(other_kind)),
+        ("a list", framed([doc.get("s"), 1, 2])),
+        ("fields of the wrong type", framed(wrong_types)),
     ]
 
 
@@ -1481,6 +1498,7 @@ def corrupt_values(run: Run) -> None:
     warmed = {o.case.id: o for o in run.send_many(cases, [0], 2)}
     planted: list[tuple[Case, str, str, str, bytes]] = []  # case, key kind, key, corruption, value
     seen: Counter[str] = Counter()
+    previous: dict[str, bytes] = {}  # the last valid value of each kind of key
     with contextlib.closing(ctx.direct) as direct:
         for index, case in enumerate(cases):
             observation = warmed[case.id]
@@ -1497,7 +1515,8 @@ def corrupt_values(run: Run) -> None:
             if valid is None:
                 run.check(f"{case.id}: its {kind} key is in Redis", False, str(key))
                 continue
-            options = corruptions(valid, kind, rng, tripwire)
+            options = corruptions(valid, kind, rng, tripwire, previous.get(kind))
+            previous[kind] = valid
             name, value = options[seen[kind] % len(options)]  # each kind of key cycles through its list
             seen[kind] += 1
             direct.set(key, value, ex=3600)
@@ -1835,6 +1854,10 @@ def malformed_inputs(run: Run) -> None:
         outcome = "answered" if o.outcome.kind == "answer" else "refused"
         groups.setdefault(group, Counter())[outcome if o.verdict == "ok" else o.verdict] += 1
     mutated = sum(c.group.startswith("mutated") for c in cases)
+    for o in run.observations:
+        if o.case.group == "forged path":
+            said = o.outcome.message or (o.outcome.label or {}).get("label")
+            run.figure(f"  {o.case.id} ({o.case.raw.path})", f"{o.outcome.kind}: {str(said)[:90]}")
     run.figure(
         "inputs",
         f"{len(cases)} ({mutated} mutated images, {sizes.hostile_texts} hostile texts) "
@@ -1895,7 +1918,10 @@ def thin_image_cost(run: Run) -> None:
     (_, square_o, square_s, square_mb), (thin_case, thin_o, thin_s, thin_mb) = measured.values()
     if thin_mb is not None and square_mb is not None:
         bound, ok = f"{max(4 * square_mb, 100):.0f} MB", thin_mb <= max(4 * square_mb, 100)
-        detail = f"peak memory +{thin_mb:.0f} MB vs +{square_mb:.0f} MB, {thin_s:.1f}s vs {square_s:.2f}s"
+        detail = (
+            f"peak memory +{max(0.0, thin_mb):.0f} MB vs +{max(0.0, square_mb):.0f} MB, "
+            f"{thin_s:.1f}s vs {square_s:.2f}s"
+        )
     else:  # no /proc: time only
         bound, ok = f"{max(10 * square_s, 1.0):.1f}s", thin_s <= max(10 * square_s, 1.0)
         detail = f"{thin_s:.1f}s vs {square_s:.2f}s"
@@ -1903,8 +1929,8 @@ def thin_image_cost(run: Run) -> None:
         run.downgrade(thin_o, "failed", f"a {len(thin_case.raw)}-byte 20000x5 PNG: {detail}")
     run.figure(
         "pixel cost, 316x316 vs 20000x5 (as many pixels)",
-        f"{square_o.outcome.kind} in {square_s:.2f}s, peak memory +{square_mb or 0:.0f} MB / "
-        f"{thin_o.outcome.kind} in {thin_s:.2f}s, peak memory +{thin_mb or 0:.0f} MB "
+        f"{square_o.outcome.kind} in {square_s:.2f}s, peak memory +{max(0.0, square_mb or 0):.0f} MB / "
+        f"{thin_o.outcome.kind} in {thin_s:.2f}s, peak memory +{max(0.0, thin_mb or 0):.0f} MB "
         f"({len(thin_case.raw)} bytes uploaded)",
     )
     run.check(f"a thin image costs about what a square one of as many pixels costs (<= {bound})", ok, detail)
@@ -2118,7 +2144,9 @@ def run_scenario(ctx: Context, scenario: Scenario) -> ScenarioResult:
         ctx.reset()
         scenario.run(run)
     except Exception as exc:  # a crash of the scenario itself: reported, and the suite goes on
-        run.result.error = f"{type(exc).__name__}: {exc}"[:2000]
+        where = traceback.extract_tb(exc.__traceback__)[-3:]
+        trail = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(where))
+        run.result.error = f"{type(exc).__name__}: {exc} (at {trail})"[:2000]
     result = run.finish()
     result.duration_s = time.monotonic() - started
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -23,4 +24,11 @@ class UploadedImage(gr.Image):
     def preprocess(self, payload: Any) -> str | None:  # type: ignore[override]
         if payload is None:
             return None
-        return payload.path
+        # Only files Gradio itself stored (uploads, examples) may be read: a client that
+        # names any other server path in its request must not get that file classified.
+        path = Path(payload.path).resolve()
+        if not path.is_relative_to(Path(self.GRADIO_CACHE).resolve()):
+            raise gr.Error(
+                "The upload was not accepted. Please upload the file again.", print_exception=False
+            )
+        return str(path)

@@ -21,6 +21,10 @@ RESIZE = 256
 CROP = 224
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# Resize scales the short side to 256, so a 20000x5 strip would become 256 x ~1M pixels
+# before the centre crop. Cropping the original to this aspect ratio first gives the same
+# centre region at a bounded cost.
+MAX_ASPECT = 4
 ARCH = "timm/efficientnet_lite0"
 
 
@@ -107,7 +111,10 @@ class ImageClassifier:
     def _digest(self, weights_path: Path) -> str:
         digest = hashlib.sha256()
         digest.update(weights_path.read_bytes())
-        settings = f"{ARCH}|resize={RESIZE}|crop={CROP}|mean={IMAGENET_MEAN}|std={IMAGENET_STD}"
+        settings = (
+            f"{ARCH}|resize={RESIZE}|crop={CROP}|mean={IMAGENET_MEAN}|std={IMAGENET_STD}"
+            f"|max_aspect={MAX_ASPECT}"
+        )
         digest.update(f"{settings}|dtype={self._dtype}|classes={len(self.categories)}".encode())
         return digest.hexdigest()[:16]
 
@@ -118,7 +125,16 @@ class ImageClassifier:
         return canonicalize_image(raw, max_bytes=self._max_upload_bytes, max_pixels=self._max_image_pixels)
 
     def preprocess(self, image: CanonicalImage) -> torch.Tensor:
-        chw = torch.from_numpy(image.pixels.copy()).permute(2, 0, 1)
+        pixels = image.pixels
+        height, width, _ = pixels.shape
+        longest = min(height, width) * MAX_ASPECT
+        if height > longest:
+            top = (height - longest) // 2
+            pixels = pixels[top : top + longest]
+        if width > longest:
+            left = (width - longest) // 2
+            pixels = pixels[:, left : left + longest]
+        chw = torch.from_numpy(pixels.copy()).permute(2, 0, 1)
         return self._transform(chw)
 
     def predict_batch(self, inputs: Sequence[CanonicalImage]) -> list[Prediction]:
