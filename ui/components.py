@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -24,11 +23,6 @@ class UploadedImage(gr.Image):
     def preprocess(self, payload: Any) -> str | None:  # type: ignore[override]
         if payload is None:
             return None
-        # Only files Gradio itself stored (uploads, examples) may be read: a client that
-        # names any other server path in its request must not get that file classified.
-        path = Path(payload.path).resolve()
-        if not path.is_relative_to(Path(self.GRADIO_CACHE).resolve()):
-            raise gr.Error(
-                "The upload was not accepted. Please upload the file again.", print_exception=False
-            )
-        return str(path)
+        # Gradio has already stored the file in its upload folder (and applied its own
+        # allowed/blocked-path rules); the engine reads and checks the bytes itself.
+        return payload.path
