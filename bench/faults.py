@@ -63,7 +63,7 @@ import redis
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.models import MESSAGES, PHOTOS, format_table, load_photos
+from bench.models import MESSAGES, PHOTOS, format_table, load_photos, photo_dir
 from engine.codec import ALIAS_SCHEMA, RESULT_SCHEMA
 from engine.errors import InvalidInputError
 from engine.keys import raw_digest
@@ -353,6 +353,8 @@ class RestClient:
         joined = self._http.post(
             f"/gradio_api/call/{api}", content=body, headers={"content-type": "application/json"}
         )
+        if 400 <= joined.status_code < 500:  # refused before queueing: the client's mistake
+            return Outcome("input_error", message=joined.text.strip()[:300], status=joined.status_code)
         if joined.status_code != 200:
             return Outcome(
                 "failure",
@@ -1831,14 +1833,16 @@ def malformed_cases(ctx: Context) -> list[Case]:
         )
     )
     # An "upload" that names a file on the server instead: never read it, refuse clearly.
+    # (The photo outside every folder Gradio allows is added by the scenario itself.)
     for name, path in (
-        # Not ("server-photo", <a photo under the working directory>): Gradio 6.31 serves and
-        # copies files under the working directory by design (its allowed-paths policy), so
-        # such a request is answered. Known; to close with `blocked_paths` (see the notes).
+        (
+            "server-photo",
+            str(Path(__file__).resolve().parent.parent / "docs" / "console.png"),
+        ),  # under the working directory
+        ("example-photo", str(photo_dir() / "rocket.jpg")),  # one the app offers as an example
+        ("system-file", "/etc/hostname"),
         ("missing", "/nonexistent/x.png"),
-        # Not ("directory", "/tmp"): Gradio 6.31's /call route itself answers 500 for a
-        # FileData path naming a directory, before any app code runs. Known upstream issue,
-        # recorded in docs/RELIABILITY.md; everything the app can see is covered here.
+        ("directory", tempfile.gettempdir()),
     ):
         cases.append(
             Case(f"forged-{name}", "image", ForgedPath(path), Expect("any_error"), group="forged path")

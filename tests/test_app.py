@@ -120,3 +120,58 @@ def test_a_hit_does_not_wait_behind_queued_misses(serve) -> None:
             m.result(timeout=60)
     assert info["tier"] == "l1"
     assert hit_latency < model_time, f"hit waited {hit_latency:.2f}s behind the queue"
+
+
+def call_raw(url: str, api_name: str, data: list) -> tuple[str, str]:
+    """One call through Gradio's HTTP API without gradio_client: (last SSE event, its data),
+    or ("http <status>", body) when the call is refused before it is queued."""
+    request = urllib.request.Request(
+        f"{url}/gradio_api/call/{api_name}",
+        data=json.dumps({"data": data}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            event_id = json.loads(response.read())["event_id"]
+    except urllib.error.HTTPError as error:
+        return f"http {error.code}", error.read().decode()
+    event, payload = "", ""
+    with urllib.request.urlopen(f"{url}/gradio_api/call/{api_name}/{event_id}", timeout=60) as stream:
+        for line in stream.read().decode().splitlines():
+            if line.startswith("event:"):
+                event = line.partition(":")[2].strip()
+            elif line.startswith("data:"):
+                payload = line.partition(":")[2].strip()
+    return event, payload
+
+
+def test_a_request_cannot_name_a_server_file_as_its_upload(real_app, tmp_path: Path, photo_dir: Path) -> None:
+    """Only files that went through Gradio's upload are read: never a path the client names."""
+    url, runtime = real_app
+    outside = tmp_path / "never-uploaded.png"
+    outside.write_bytes((photo_dir / "coffee.png").read_bytes())
+    in_working_dir = Path("docs/console.png").resolve()
+    assert in_working_dir.is_file()
+    forged = [
+        outside,
+        in_working_dir,
+        photo_dir / "rocket.jpg",
+        Path("/etc/hostname"),
+        tmp_path / "missing.png",
+    ]
+    before = runtime.engine.counters()
+    for path in forged:
+        event, payload = call_raw(
+            url, "classify_image", [{"path": str(path), "meta": {"_type": "gradio.FileData"}}]
+        )
+        assert event == "http 400", (path, event, payload)
+        assert "must be uploaded first" in payload and "Traceback" not in payload
+    after = runtime.engine.counters()
+    assert (
+        after.model_calls == before.model_calls and after.invalid == before.invalid
+    )  # never reached the engine
+    # A real upload still works after the refusals.
+    label, info = Client(url + "/", verbose=False).predict(
+        handle_file(str(outside)), api_name="/classify_image"
+    )
+    assert label["label"] == "espresso" and info["tier"] == "miss"

@@ -118,14 +118,17 @@ def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[st
     return {"classify_image": classify_image, "classify_text": classify_text}
 
 
-def _examples_dir() -> Path | None:
+EXAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "rocket.jpg")
+
+
+def example_photos() -> list[Path]:
+    """scikit-image's sample photos offered as examples (none when it is not installed)."""
     try:
         import skimage
-
-        folder = Path(skimage.__file__).parent / "data"
-        return folder if folder.is_dir() else None
     except ImportError:
-        return None
+        return []
+    folder = Path(skimage.__file__).parent / "data"
+    return [folder / name for name in EXAMPLE_PHOTOS if (folder / name).is_file()]
 
 
 # Variants of one message (case, spacing) share a cache entry: try them one after the other.
@@ -203,13 +206,9 @@ def build_demo(
                         if image_model is not None:
                             gr.Markdown(f"<small>{image_model.name} · version `{image_model.version}` · "
                                         f"{image_model.device}</small>")  # fmt: skip
-                examples = _examples_dir()
-                if examples is not None:
-                    gr.Examples(
-                        examples=[str(examples / n) for n in ("chelsea.png", "coffee.png", "rocket.jpg")
-                                  if (examples / n).is_file()],
-                        inputs=image_in,
-                    )  # fmt: skip
+                photos = example_photos()
+                if photos:
+                    gr.Examples(examples=[str(p) for p in photos], inputs=image_in)
                 image_event = image_btn.click(
                     callbacks["classify_image"], inputs=image_in, outputs=[image_label, image_info],
                     api_name="classify_image",

@@ -8,12 +8,15 @@ import time
 
 import gradio as gr
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from gradio.exceptions import InvalidPathError
+from starlette.routing import Mount
 
 from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
 from engine.runtime import Runtime
-from ui.app_ui import build_demo
+from ui.app_ui import build_demo, example_photos
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ def build_app(runtime: Runtime) -> FastAPI:
         admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth),
     )
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
-    return gr.mount_gradio_app(
+    mounted = gr.mount_gradio_app(
         app,
         demo,
         path="",
@@ -42,6 +45,28 @@ def build_app(runtime: Runtime) -> FastAPI:
         ssr_mode=False,
         footer_links=["api"],
         css=CARD_CSS,
+        # The example photos are the only files outside Gradio's own folders the app hands out;
+        # the data folder (SQLite log, Redis socket and snapshot) is never to be served or read.
+        allowed_paths=[str(p) for p in example_photos()],
+        blocked_paths=[str(settings.data_dir.resolve())],
+    )
+    # Gradio enforces "an input file must have been uploaded" (processing_utils._check_allowed)
+    # only once Blocks.has_launched is set, which launch() does and mount_gradio_app does not
+    # (Gradio 6.31). Without it, a request naming {"path": "/any/file"} makes the server read
+    # that file as the upload. Gradio's reload mode sets the flag the same way (swap_blocks).
+    demo.has_launched = True
+    # With the check on, a refused path raises out of Gradio's queue probe (which runs
+    # preprocessing before queueing) as HTTP 500; it is the client's mistake, so answer 400.
+    gradio_app = next(r.app for r in mounted.routes if isinstance(r, Mount) and r.app is not app)
+    gradio_app.add_exception_handler(InvalidPathError, _refuse_path)
+    return mounted
+
+
+async def _refuse_path(request: Request, error: Exception) -> JSONResponse:
+    log.warning("refused a request naming a file that was not uploaded: %s", error)
+    return JSONResponse(
+        {"detail": "Files must be uploaded first; a request cannot name a file on the server."},
+        status_code=400,
     )
 
 
