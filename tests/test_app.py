@@ -175,3 +175,23 @@ def test_a_request_cannot_name_a_server_file_as_its_upload(real_app, tmp_path: P
         handle_file(str(outside)), api_name="/classify_image"
     )
     assert label["label"] == "espresso" and info["tier"] == "miss"
+
+
+def test_uploads_work_when_the_upload_folder_is_inside_the_data_folder(
+    serve, real_models, tmp_path: Path, photo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request log is off limits, yet an upload folder under DATA_DIR stays usable."""
+    monkeypatch.setenv(
+        "GRADIO_TEMP_DIR", str(tmp_path / "rt0" / "uploads")
+    )  # rt0: the first runtime's DATA_DIR
+    url, runtime = serve(models=real_models, redis_url="off")
+    assert runtime.settings.data_dir == tmp_path / "rt0"
+    label, _ = Client(url + "/", verbose=False).predict(
+        handle_file(str(photo_dir / "coffee.png")), api_name="/classify_image"
+    )
+    assert label["label"] == "espresso"
+    assert any((tmp_path / "rt0").rglob("*.png")), "the upload did not land in DATA_DIR"
+    sqlite = runtime.settings.sqlite_path.resolve()
+    assert sqlite.is_file()
+    event, _ = call_raw(url, "classify_image", [{"path": str(sqlite), "meta": {"_type": "gradio.FileData"}}])
+    assert event == "http 400"

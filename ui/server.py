@@ -16,6 +16,7 @@ from starlette.routing import Mount
 from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
 from engine.runtime import Runtime
+from settings import Settings
 from ui.app_ui import build_demo, example_photos
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,9 @@ def build_app(runtime: Runtime) -> FastAPI:
         footer_links=["api"],
         css=CARD_CSS,
         # The example photos are the only files outside Gradio's own folders the app hands out;
-        # the data folder (SQLite log, Redis socket and snapshot) is never to be served or read.
+        # the request log and the embedded Redis are never to be served or read as an upload.
         allowed_paths=[str(p) for p in example_photos()],
-        blocked_paths=[str(settings.data_dir.resolve())],
+        blocked_paths=_private_data_paths(settings),
     )
     # Gradio enforces "an input file must have been uploaded" (processing_utils._check_allowed)
     # only once Blocks.has_launched is set, which launch() does and mount_gradio_app does not
@@ -60,6 +61,13 @@ def build_app(runtime: Runtime) -> FastAPI:
     gradio_app = next(r.app for r in mounted.routes if isinstance(r, Mount) and r.app is not app)
     gradio_app.add_exception_handler(InvalidPathError, _refuse_path)
     return mounted
+
+
+def _private_data_paths(settings: Settings) -> list[str]:
+    # Not DATA_DIR as a whole: an operator may put Gradio's upload folder (GRADIO_TEMP_DIR)
+    # under it, and a blocked path wins over the upload folder.
+    sqlite = settings.sqlite_path.resolve()
+    return [str(sqlite), f"{sqlite}-wal", f"{sqlite}-shm", str((settings.data_dir / "redis").resolve())]
 
 
 async def _refuse_path(request: Request, error: Exception) -> JSONResponse:
