@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-models bench-cache soak clean setup
+.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults soak clean setup
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,20 @@ bench-models: $(STAMP)
 bench-cache: $(STAMP)
 	@scripts/ensure_system_deps.sh redis-server
 	$(PY) -m bench.cache
+
+bench-miss: $(STAMP)
+	@scripts/ensure_system_deps.sh redis-server
+	$(PY) -m bench.miss_overhead
+
+# About an hour on 2 CPUs; writes bench/REPORT.md and bench/workload_chart.html.
+bench-workload: $(STAMP)
+	@scripts/ensure_system_deps.sh redis-server
+	$(PY) -m bench.workload --http
+
+# About half an hour on 2 CPUs; figures go to docs/RELIABILITY.md by hand.
+bench-faults: $(STAMP)
+	@scripts/ensure_system_deps.sh redis-server
+	$(PY) -m bench.faults
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts

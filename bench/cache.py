@@ -38,7 +38,6 @@ import gc
 import hashlib
 import pickle
 import secrets
-import socket
 import statistics
 import sys
 import tempfile
@@ -76,7 +75,7 @@ from engine.models.text import TextClassifier
 from engine.runtime import build_runtime
 from engine.service import InferenceEngine
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, find_redis_server
+from storage.embedded_redis import EmbeddedRedis, find_redis_server, free_port
 
 RECIPE_TTL_S = 3600
 RECIPE_LRU_SIZE = 128
@@ -519,12 +518,6 @@ def check_agreement(systems: Sequence[System], task: str, inputs: Sequence[Any])
 
 
 # ---- setup ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_redis(stack: ExitStack, workdir: Path) -> EmbeddedRedis:

@@ -40,7 +40,6 @@ import pickle
 import random
 import shutil
 import signal
-import socket
 import sqlite3
 import struct
 import subprocess
@@ -69,7 +68,7 @@ from engine.errors import InvalidInputError
 from engine.keys import raw_digest
 from engine.models.base import Classifier
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, find_redis_server
+from storage.embedded_redis import EmbeddedRedis, find_redis_server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "infcache"  # the app's default CACHE_PREFIX
@@ -173,12 +172,6 @@ CI = Sizes(
 
 
 # ---- processes -----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # in the child between fork and exec: no orphans if we crash
@@ -1524,7 +1517,8 @@ def corrupt_values(run: Run) -> None:
             if observation.verdict != "ok":
                 continue
             generation = int(observation.outcome.info["generation"])  # type: ignore[index]
-            kind = "result" if index % 3 else "alias"
+            # Only uploads have their raw-input alias in Redis (text aliases stay in process).
+            kind = "alias" if case.task == "image" and index % 2 == 0 else "result"
             key = (
                 key_of(observation)
                 if kind == "result"

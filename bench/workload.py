@@ -69,7 +69,6 @@ import platform
 import re
 import secrets
 import shlex
-import socket
 import sys
 import tempfile
 import threading
@@ -87,6 +86,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from bench.models import PHOTOS, fmt_ms, format_table, host_load, photo_dir, set_threads
+from storage.embedded_redis import free_port
 
 SYSTEMS = ("nocache", "seed", "grcache", "ours")
 PEERS = ("nocache", "seed", "grcache")
@@ -892,16 +892,10 @@ def split_segments(stream: np.ndarray, segments: int) -> list[list[int]]:
     return [part.tolist() for part in np.array_split(stream, max(1, min(segments, len(stream))))]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def fresh_redis(workdir: Path) -> Iterator[Any]:
     """A private redis-server on a free loopback port (the app's maxmemory and policy), no snapshots."""
-    from storage.embedded_redis import EmbeddedRedis
+    from storage.embedded_redis import EmbeddedRedis, free_port
 
     server = EmbeddedRedis(data_dir=workdir, maxmemory_mb=REDIS_MAXMEMORY_MB, port=free_port(), save=False)
     server.start()

@@ -261,7 +261,12 @@ class InferenceEngine:
         budget = _L2Budget(self._l2 is not None)
         raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", model.version, generation,
                                raw_digest(raw)))  # fmt: skip
-        remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), budget)
+        # Raw-input aliases (and remembered rejections) go to Redis only where canonicalizing
+        # is real work (decoding an image). For text it costs microseconds, less than the two
+        # Redis round trips an alias would add to every miss and one to every L2 hit.
+        cheap = getattr(model, "cheap_canonicalize", False)
+        alias_budget = None if cheap else budget
+        remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), alias_budget)
         canonical = None
         if isinstance(remembered, CachedRejection):
             if probe:  # a probe only answers positive hits; the queued call reports errors
@@ -271,7 +276,7 @@ class InferenceEngine:
         if isinstance(remembered, CachedAlias):
             digest = remembered.digest
         else:
-            if probe and not getattr(model, "cheap_canonicalize", False):
+            if probe and not cheap:
                 raise ProbeMiss()
             if probe:
                 try:
@@ -279,9 +284,11 @@ class InferenceEngine:
                 except InvalidInputError:
                     raise ProbeMiss() from None
             else:
-                canonical = self._canonicalize(model, raw, raw_key, budget)
+                canonical = self._canonicalize(model, raw, raw_key, alias_budget)
             digest = digest_parts(canonical.fingerprint_parts())
-            self._store(raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s, budget)
+            self._store(
+                raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s, alias_budget
+            )
 
         key = str(CacheKey(self._policy.prefix, task, model.version, generation, digest))
         # Outside probe mode L2 is read inside the flight, so N concurrent misses cost
@@ -294,7 +301,7 @@ class InferenceEngine:
 
             def canonical_input() -> Any:
                 # Reached through the raw alias, the input is decoded only if L2 misses too.
-                return known if known is not None else self._canonicalize(model, raw, raw_key, budget)
+                return known if known is not None else self._canonicalize(model, raw, raw_key, alias_budget)
 
             (cached, tier, model_ms), shared = self._flights.run(
                 key, lambda: self._compute(key, model, canonical_input, budget)
@@ -319,7 +326,7 @@ class InferenceEngine:
             model_ms=model_ms,
         )
 
-    def _canonicalize(self, model: Classifier, raw: Any, raw_key: str, budget: _L2Budget) -> Any:
+    def _canonicalize(self, model: Classifier, raw: Any, raw_key: str, budget: _L2Budget | None) -> Any:
         try:
             return model.canonicalize(raw)
         except InvalidInputError as exc:
@@ -393,10 +400,13 @@ class InferenceEngine:
             return min(float(self._policy.negative_ttl_s), self._policy.l1_ttl_s)
         return self._policy.l1_ttl_s
 
-    def _store(self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float, budget: _L2Budget) -> None:
+    def _store(
+        self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float, budget: _L2Budget | None
+    ) -> None:
+        """L1, and L2 unless `budget` is None (L1 only) or spent."""
         blob = encode(value, key=key)
         self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
-        if self._l2 is not None and budget.available:
+        if self._l2 is not None and budget is not None and budget.available:
             try:
                 self._l2.set(key, blob, ttl_s=l2_ttl_s)
             except CacheUnavailableError:

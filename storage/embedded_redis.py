@@ -10,6 +10,7 @@ import ctypes
 import logging
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -25,6 +26,13 @@ _MAX_UNIX_PATH = 100  # sun_path is 108 bytes on Linux
 
 class EmbeddedRedisError(RuntimeError):
     """The private redis-server could not be started."""
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now, for `EmbeddedRedis(port=...)` in tests and benchmarks."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def find_redis_server() -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -16,15 +15,9 @@ from engine.inputs import CanonicalText, clean_text
 from engine.models.base import Prediction
 from engine.runtime import Runtime, build_runtime, load_models
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis
+from storage.embedded_redis import EmbeddedRedis, free_port
 
 SKIMAGE_PHOTOS = ("chelsea.png", "coffee.png", "rocket.jpg", "astronaut.png", "motorcycle_right.png")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -92,9 +85,11 @@ class CountingTextModel:
     device = "cpu"
     cheap_canonicalize = True
 
-    def __init__(self, version: str = "standin-v1", delay_s: float = 0.0) -> None:
+    def __init__(self, version: str = "standin-v1", delay_s: float = 0.0, *, cheap: bool = True) -> None:
         import threading
 
+        # cheap=False: behave like the image model, whose raw-input aliases go to Redis too.
+        self.cheap_canonicalize = cheap
         self.version = version
         self.calls = 0
         self.delay_s = delay_s

@@ -27,7 +27,7 @@ def engine_pair(
     make_runtime: Callable[..., Runtime], url: str, model: Any = None
 ) -> tuple[Runtime, Runtime, CountingTextModel, CountingTextModel]:
     first_model = model or CountingTextModel()
-    second_model = CountingTextModel(version=first_model.version)
+    second_model = CountingTextModel(version=first_model.version, cheap=first_model.cheap_canonicalize)
     first = make_runtime(models={"text": first_model}, redis_url=url)
     second = make_runtime(models={"text": second_model}, redis_url=url)
     return first, second, first_model, second_model
@@ -92,7 +92,8 @@ class TestTiers:
 
 class TestRedisValues:
     def test_every_key_has_a_ttl_except_the_generation(self, make_runtime, redis_server) -> None:
-        runtime = make_runtime(redis_url=redis_server.url)
+        # cheap=False: aliases and remembered rejections are written to Redis too.
+        runtime = make_runtime(models={"text": CountingTextModel(cheap=False)}, redis_url=redis_server.url)
         for text in ("a question", "another question", ""):
             try:
                 runtime.engine.classify("text", text)
@@ -195,7 +196,8 @@ class TestSingleFlight:
 
 class TestNegativeEntries:
     def test_rejection_is_remembered_in_l1_and_l2(self, make_runtime, redis_server) -> None:
-        first, second, _, _ = engine_pair(make_runtime, redis_server.url)
+        # A model whose canonicalization is real work (like decoding an image).
+        first, second, _, _ = engine_pair(make_runtime, redis_server.url, CountingTextModel(cheap=False))
         with pytest.raises(InvalidInputError) as first_error:
             first.engine.classify("text", "   \t  ")
         with pytest.raises(InvalidInputError) as again:
@@ -255,7 +257,7 @@ class TestFlush:
         assert l1.l1_removed == 10 and l1.l2_removed is None  # 5 results + 5 aliases
         assert runtime.engine.classify("text", "question 0").tier == "l2"
         both = runtime.engine.flush("all")
-        assert both.l2_removed == 10 and both.l2_error is None
+        assert both.l2_removed == 5 and both.l2_error is None  # results only: text aliases stay in L1
         assert client.get("someone-else:key") == b"keep me"
         assert runtime.engine.classify("text", "question 0").tier == "miss"
         with pytest.raises(InvalidInputError):
@@ -327,7 +329,7 @@ def test_l1_stays_within_its_byte_budget_under_many_distinct_inputs(make_runtime
 
 
 def test_an_l2_hit_through_the_raw_alias_does_not_decode_again(make_runtime, redis_server) -> None:
-    model = CountingTextModel()
+    model = CountingTextModel(cheap=False)
     decodes = []
     original = model.canonicalize
     model.canonicalize = lambda raw: decodes.append(raw) or original(raw)  # type: ignore[method-assign]
@@ -339,3 +341,31 @@ def test_an_l2_hit_through_the_raw_alias_does_not_decode_again(make_runtime, red
     assert len([k for k in all_keys(redis_server.url) if b":text-raw:" in k]) == 1
     assert runtime.engine.classify("text", "decode me once").tier == "l2"
     assert len(decodes) == 1
+
+
+def test_cheap_inputs_keep_aliases_out_of_redis(make_runtime, redis_server) -> None:
+    """Text canonicalizes in microseconds: a miss costs one Redis read and one write (no
+    alias round trips), an L2 hit one read; the in-process alias and rejection remain."""
+    model = CountingTextModel()
+    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+
+    def commands() -> int:  # INFO commandstats counts the INFO calls too: subtract them
+        return sum(int(v["calls"]) for v in client.info("commandstats").values())
+
+    try:
+        before = commands()
+        assert runtime.engine.classify("text", "Is my refund on its way?").tier == "miss"
+        assert commands() - before - 1 == 2  # GET result, SET result
+        runtime.engine.flush("l1")
+        before = commands()
+        assert runtime.engine.classify("text", "  Is my refund   on its way? ").tier == "l2"
+        assert commands() - before - 1 == 1
+        for _ in range(2):
+            with pytest.raises(InvalidInputError):
+                runtime.engine.classify("text", "  \t ")
+        assert runtime.engine.counters().negative_hits == 1  # remembered in L1
+        assert not [k for k in all_keys(redis_server.url) if b":text-raw:" in k]
+        assert model.calls == 1
+    finally:
+        client.close()
