@@ -126,6 +126,17 @@ class _L2Budget:
         self.available = available
 
 
+class _PendingWrite:
+    """An L2 write held back to share a round trip (a raw alias waiting for its result)."""
+
+    __slots__ = ("blob", "key", "written")
+
+    def __init__(self, key: str, blob: bytes) -> None:
+        self.key = key
+        self.blob = blob
+        self.written = False
+
+
 class InferenceEngine:
     """Classifies through the tiered cache. Thread-safe; one per process."""
 
@@ -268,6 +279,7 @@ class InferenceEngine:
         alias_budget = None if cheap else budget
         remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), alias_budget)
         canonical = None
+        pending_alias: _PendingWrite | None = None
         if isinstance(remembered, CachedRejection):
             if probe:  # a probe only answers positive hits; the queued call reports errors
                 raise ProbeMiss()
@@ -286,9 +298,12 @@ class InferenceEngine:
             else:
                 canonical = self._canonicalize(model, raw, raw_key, alias_budget)
             digest = digest_parts(canonical.fingerprint_parts())
-            self._store(
-                raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s, alias_budget
+            blob = self._store(
+                raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s, None
             )
+            if alias_budget is not None:
+                # Its L2 write waits for the result's, to share that round trip on a miss.
+                pending_alias = _PendingWrite(raw_key, blob)
 
         key = str(CacheKey(self._policy.prefix, task, model.version, generation, digest))
         # Outside probe mode L2 is read inside the flight, so N concurrent misses cost
@@ -304,12 +319,14 @@ class InferenceEngine:
                 return known if known is not None else self._canonicalize(model, raw, raw_key, alias_budget)
 
             (cached, tier, model_ms), shared = self._flights.run(
-                key, lambda: self._compute(key, model, canonical_input, budget)
+                key, lambda: self._compute(key, model, canonical_input, budget, pending_alias)
             )
             if shared:
                 tier, model_ms = "coalesced", None
         else:
             model_ms = None
+        if pending_alias is not None and not pending_alias.written:
+            self._write_l2([pending_alias], budget)
         self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
                      "coalesced": "coalesced"}[tier])  # fmt: skip
         now = self._clock()
@@ -337,7 +354,12 @@ class InferenceEngine:
             raise
 
     def _compute(
-        self, key: str, model: Classifier, canonical_input: Callable[[], Any], budget: _L2Budget
+        self,
+        key: str,
+        model: Classifier,
+        canonical_input: Callable[[], Any],
+        budget: _L2Budget,
+        pending_alias: _PendingWrite | None,
     ) -> tuple[CachedResult, str, float | None]:
         # Inside the flight: another flight for this key may have just filled L1.
         cached, tier = self._lookup(key, (CachedResult,), budget)
@@ -359,7 +381,9 @@ class InferenceEngine:
                 self._counters.model_calls[model.task] += 1
                 self._counters.model_seconds[model.task] += elapsed
         result = CachedResult(prediction, model.version, self._clock())
-        self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, budget)
+        blob = self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, None)
+        # The result first: a replica that finds the alias then finds what it points to.
+        self._write_l2([_PendingWrite(key, blob)] + ([pending_alias] if pending_alias else []), budget)
         return result, "miss", elapsed * 1000.0
 
     def _lookup(
@@ -402,8 +426,8 @@ class InferenceEngine:
 
     def _store(
         self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float, budget: _L2Budget | None
-    ) -> None:
-        """L1, and L2 unless `budget` is None (L1 only) or spent."""
+    ) -> bytes:
+        """L1, and L2 unless `budget` is None (L1 only) or spent; returns the encoded value."""
         blob = encode(value, key=key)
         self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
         if self._l2 is not None and budget is not None and budget.available:
@@ -412,6 +436,21 @@ class InferenceEngine:
             except CacheUnavailableError:
                 budget.available = False
                 self._count("l2_errors")
+        return blob
+
+    def _write_l2(self, writes: list[_PendingWrite], budget: _L2Budget) -> None:
+        """Values already in L1, to L2 in one round trip."""
+        if self._l2 is None or not budget.available:
+            return
+        ttl = self._policy.l2_ttl_s  # results and aliases live as long
+        try:
+            self._l2.set_many([(w.key, w.blob, ttl) for w in writes])
+        except CacheUnavailableError:
+            budget.available = False
+            self._count("l2_errors")
+        else:
+            for write in writes:
+                write.written = True
 
     # ---- bookkeeping ------------------------------------------------------
 

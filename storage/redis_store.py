@@ -7,7 +7,7 @@ Every Redis failure becomes `CacheUnavailableError` so callers can fall back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -93,13 +93,25 @@ class RedisStore:
     def get(self, key: str) -> bytes | None:
         return self._call(lambda: self._client.get(key))
 
-    def get_many(self, keys: list[str]) -> list[bytes | None]:
-        return self._call(lambda: self._client.mget(keys))
-
     def set(self, key: str, value: bytes, *, ttl_s: int) -> None:
-        if ttl_s <= 0:
+        self.set_many([(key, value, ttl_s)])
+
+    def set_many(self, items: Sequence[tuple[str, bytes, int]]) -> None:
+        """Several (key, value, ttl_s) writes in one round trip, in order (not atomic)."""
+        if any(ttl_s <= 0 for _, _, ttl_s in items):
             raise ValueError("every L2 write needs a positive TTL")
-        self._call(lambda: self._client.set(key, value, ex=ttl_s))
+        if len(items) == 1:
+            key, value, ttl_s = items[0]
+            self._call(lambda: self._client.set(key, value, ex=ttl_s))
+            return
+
+        def pipelined() -> None:
+            with self._client.pipeline(transaction=False) as pipe:
+                for key, value, ttl_s in items:
+                    pipe.set(key, value, ex=ttl_s)
+                pipe.execute()
+
+        self._call(pipelined)
 
     def delete(self, key: str) -> bool:
         return bool(self._call(lambda: self._client.unlink(key)))

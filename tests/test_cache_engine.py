@@ -369,3 +369,30 @@ def test_cheap_inputs_keep_aliases_out_of_redis(make_runtime, redis_server) -> N
         assert model.calls == 1
     finally:
         client.close()
+
+
+def test_an_upload_miss_writes_result_and_alias_in_one_round_trip(make_runtime, redis_server) -> None:
+    """Where aliases go to Redis (costly canonicalization, like an image): a miss costs three
+    round trips (alias, result, both writes together), a hit on another replica two."""
+    first, second, model, _ = engine_pair(make_runtime, redis_server.url, CountingTextModel(cheap=False))
+    round_trips: list[str] = []
+    for runtime in (first, second):
+        store = runtime.engine.l2_store()
+        assert store is not None
+        call = store._call
+        store._call = lambda operation, call=call: round_trips.append("call") or call(operation)  # type: ignore[method-assign]
+
+    assert first.engine.classify("text", "photo bytes, as uploaded").tier == "miss"
+    assert len(round_trips) == 3
+    keys = all_keys(redis_server.url)
+    assert len([k for k in keys if b":text-raw:" in k]) == 1 and len([k for k in keys if b":text:" in k]) == 1
+    round_trips.clear()
+    assert second.engine.classify("text", "photo bytes, as uploaded").tier == "l2"
+    assert len(round_trips) == 2  # the alias, then the result it names: no decode, no write
+    second.engine.flush("l1")
+    round_trips.clear()
+    # The same canonical input in another raw form: its alias is written alone, on a hit.
+    assert second.engine.classify("text", "  photo bytes,   as uploaded ").tier == "l2"
+    assert len(round_trips) == 3
+    assert len([k for k in all_keys(redis_server.url) if b":text-raw:" in k]) == 2
+    assert model.calls == 1

@@ -106,6 +106,17 @@ def test_redis_writes_carry_the_ttl(redis_store: RedisStore) -> None:
         redis_store.set("contract:t", b"v", ttl_s=0)
 
 
+def test_redis_set_many_writes_each_with_its_ttl(redis_store: RedisStore) -> None:
+    redis_store.set_many([("contract:a", b"1", 60), ("contract:b", b"2", 300), ("contract:a", b"3", 60)])
+    client = redis_store.client
+    assert client.get("contract:a") == b"3"  # in order
+    assert client.get("contract:b") == b"2"
+    assert 0 < client.ttl("contract:a") <= 60 and 60 < client.ttl("contract:b") <= 300
+    with pytest.raises(ValueError):
+        redis_store.set_many([("contract:c", b"v", 60), ("contract:d", b"v", -1)])
+    assert client.get("contract:c") is None  # refused as a whole, nothing written
+
+
 def test_redis_clear_is_scoped_to_prefix_and_spares_kept_keys(redis_store: RedisStore) -> None:
     client = redis_store.client
     client.set("other-app:key", b"foreign")
