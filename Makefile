@@ -44,7 +44,7 @@ bench-workload: $(STAMP)
 	@scripts/ensure_system_deps.sh redis-server
 	$(PY) -m bench.workload --http
 
-# About half an hour on 2 CPUs; figures go to docs/RELIABILITY.md by hand.
+# About 8 minutes on 2 CPUs; figures go to docs/RELIABILITY.md by hand.
 bench-faults: $(STAMP)
 	@scripts/ensure_system_deps.sh redis-server
 	$(PY) -m bench.faults
