@@ -129,11 +129,12 @@ class _L2Budget:
 class _PendingWrite:
     """An L2 write held back to share a round trip (a raw alias waiting for its result)."""
 
-    __slots__ = ("blob", "key", "written")
+    __slots__ = ("blob", "key", "ttl_s", "written")
 
-    def __init__(self, key: str, blob: bytes) -> None:
+    def __init__(self, key: str, blob: bytes, ttl_s: int) -> None:
         self.key = key
         self.blob = blob
+        self.ttl_s = ttl_s
         self.written = False
 
 
@@ -303,7 +304,7 @@ class InferenceEngine:
             )
             if alias_budget is not None:
                 # Its L2 write waits for the result's, to share that round trip on a miss.
-                pending_alias = _PendingWrite(raw_key, blob)
+                pending_alias = _PendingWrite(raw_key, blob, self._policy.l2_ttl_s)
 
         key = str(CacheKey(self._policy.prefix, task, model.version, generation, digest))
         # Outside probe mode L2 is read inside the flight, so N concurrent misses cost
@@ -383,7 +384,8 @@ class InferenceEngine:
         result = CachedResult(prediction, model.version, self._clock())
         blob = self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, None)
         # The result first: a replica that finds the alias then finds what it points to.
-        self._write_l2([_PendingWrite(key, blob)] + ([pending_alias] if pending_alias else []), budget)
+        result_write = _PendingWrite(key, blob, self._policy.l2_ttl_s)
+        self._write_l2([result_write] + ([pending_alias] if pending_alias else []), budget)
         return result, "miss", elapsed * 1000.0
 
     def _lookup(
@@ -430,21 +432,16 @@ class InferenceEngine:
         """L1, and L2 unless `budget` is None (L1 only) or spent; returns the encoded value."""
         blob = encode(value, key=key)
         self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
-        if self._l2 is not None and budget is not None and budget.available:
-            try:
-                self._l2.set(key, blob, ttl_s=l2_ttl_s)
-            except CacheUnavailableError:
-                budget.available = False
-                self._count("l2_errors")
+        if budget is not None:
+            self._write_l2([_PendingWrite(key, blob, l2_ttl_s)], budget)
         return blob
 
     def _write_l2(self, writes: list[_PendingWrite], budget: _L2Budget) -> None:
         """Values already in L1, to L2 in one round trip."""
         if self._l2 is None or not budget.available:
             return
-        ttl = self._policy.l2_ttl_s  # results and aliases live as long
         try:
-            self._l2.set_many([(w.key, w.blob, ttl) for w in writes])
+            self._l2.set_many([(w.key, w.blob, w.ttl_s) for w in writes])
         except CacheUnavailableError:
             budget.available = False
             self._count("l2_errors")

@@ -24,6 +24,9 @@ _PR_SET_PDEATHSIG = 1
 _MAX_UNIX_PATH = 100  # sun_path is 108 bytes on Linux
 
 
+REDIS_SUBDIR = "redis"  # under DATA_DIR: the socket's folder and the RDB snapshot
+
+
 class EmbeddedRedisError(RuntimeError):
     """The private redis-server could not be started."""
 
@@ -88,7 +91,7 @@ class EmbeddedRedis:
             raise EmbeddedRedisError("redis-server is not installed")
         if self._process is not None:
             return self.url
-        redis_dir = self._data_dir / "redis"
+        redis_dir = self._data_dir / REDIS_SUBDIR
         redis_dir.mkdir(parents=True, exist_ok=True)
         if self._port is not None:
             return self._start_tcp(redis_dir)

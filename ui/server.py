@@ -17,6 +17,7 @@ from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
 from engine.runtime import Runtime
 from settings import Settings
+from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def build_app(runtime: Runtime) -> FastAPI:
         admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth),
     )
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
-    mounted = gr.mount_gradio_app(
+    gr.mount_gradio_app(  # mounts onto `app` and returns it
         app,
         demo,
         path="",
@@ -58,16 +59,16 @@ def build_app(runtime: Runtime) -> FastAPI:
     demo.has_launched = True
     # With the check on, a refused path raises out of Gradio's queue probe (which runs
     # preprocessing before queueing) as HTTP 500; it is the client's mistake, so answer 400.
-    gradio_app = next(r.app for r in mounted.routes if isinstance(r, Mount) and r.app is not app)
+    gradio_app = next(r.app for r in app.routes if isinstance(r, Mount))
     gradio_app.add_exception_handler(InvalidPathError, _refuse_path)
-    return mounted
+    return app
 
 
 def _private_data_paths(settings: Settings) -> list[str]:
     # Not DATA_DIR as a whole: an operator may put Gradio's upload folder (GRADIO_TEMP_DIR)
     # under it, and a blocked path wins over the upload folder.
     sqlite = settings.sqlite_path.resolve()
-    return [str(sqlite), f"{sqlite}-wal", f"{sqlite}-shm", str((settings.data_dir / "redis").resolve())]
+    return [str(sqlite), f"{sqlite}-wal", f"{sqlite}-shm", str((settings.data_dir / REDIS_SUBDIR).resolve())]
 
 
 async def _refuse_path(request: Request, error: Exception) -> JSONResponse:
