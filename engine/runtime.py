@@ -117,6 +117,7 @@ def build_runtime(
         engine = InferenceEngine(
             models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice
         )
+        stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
         if isinstance(generation, RedisGeneration):
             generation.start()
         stack.callback(generation.close)  # closed before the store it polls

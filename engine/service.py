@@ -29,12 +29,15 @@ from engine.generation import LocalGeneration, RedisGeneration
 from engine.keys import CacheKey, digest_parts, raw_digest
 from engine.models.base import Classifier, Prediction
 from engine.singleflight import SingleFlight
+from engine.write_batch import L2Write, WriteBatch
 from storage.memory import MemoryStore
 from storage.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
 TIERS = ("l1", "l2", "miss", "coalesced")
+# How long an L2 write may wait for another request's round trip (see engine.write_batch).
+L2_WRITE_DELAY_S = 0.05
 
 
 class ProbeMiss(Exception):
@@ -126,18 +129,6 @@ class _L2Budget:
         self.available = available
 
 
-class _PendingWrite:
-    """An L2 write held back to share a round trip (a raw alias waiting for its result)."""
-
-    __slots__ = ("blob", "key", "ttl_s", "written")
-
-    def __init__(self, key: str, blob: bytes, ttl_s: int) -> None:
-        self.key = key
-        self.blob = blob
-        self.ttl_s = ttl_s
-        self.written = False
-
-
 class InferenceEngine:
     """Classifies through the tiered cache. Thread-safe; one per process."""
 
@@ -166,6 +157,7 @@ class InferenceEngine:
         )
         self._counter_lock = threading.Lock()
         self._listeners: list[RequestListener] = []
+        self._writes = WriteBatch(max_delay_s=L2_WRITE_DELAY_S)
         # Entries of an old generation can never be read again: free their memory.
         generation.subscribe(lambda _old, _new: self._l1.clear())
 
@@ -190,8 +182,10 @@ class InferenceEngine:
         if model is None:
             raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
         generation = self._generation.current
+        budget = _L2Budget(self._l2 is not None)
+        self._writes.enter()
         try:
-            result = self._classify(task, model, raw, generation, probe, started)
+            result = self._classify(task, model, raw, generation, probe, started, budget)
         except ProbeMiss:
             raise
         except InvalidInputError as exc:
@@ -208,8 +202,18 @@ class InferenceEngine:
                 raise
             log.exception("unexpected failure classifying %s input", task)
             raise ModelError("The model failed on this input. Please try again.") from exc
+        finally:
+            due = self._writes.leave()
+            if due:
+                self._send_writes(due, budget)
         self._emit_result(task, result)
         return result
+
+    def close(self) -> None:
+        """Send the L2 writes still waiting for a round trip (before the store closes)."""
+        waiting = self._writes.take()
+        if waiting:
+            self._send_writes(waiting, _L2Budget(self._l2 is not None))
 
     def bump_generation(self) -> int:
         """Make every cached entry unreachable at once (all replicas sharing the Redis)."""
@@ -223,6 +227,7 @@ class InferenceEngine:
         l2_removed: int | None = None
         l2_error = None
         if tier in ("l2", "all"):
+            self._writes.discard()  # computed before the flush: they must not land after it
             if self._l2 is None:
                 l2_error = "L2 is disabled"
             else:
@@ -269,8 +274,8 @@ class InferenceEngine:
         generation: int,
         probe: bool,
         started: float,
+        budget: _L2Budget,
     ) -> ClassifyResult:
-        budget = _L2Budget(self._l2 is not None)
         raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", model.version, generation,
                                raw_digest(raw)))  # fmt: skip
         # Raw-input aliases (and remembered rejections) go to Redis only where canonicalizing
@@ -280,7 +285,7 @@ class InferenceEngine:
         alias_budget = None if cheap else budget
         remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), alias_budget)
         canonical = None
-        pending_alias: _PendingWrite | None = None
+        pending_alias: L2Write | None = None
         if isinstance(remembered, CachedRejection):
             if probe:  # a probe only answers positive hits; the queued call reports errors
                 raise ProbeMiss()
@@ -304,7 +309,7 @@ class InferenceEngine:
             )
             if alias_budget is not None:
                 # Its L2 write waits for the result's, to share that round trip on a miss.
-                pending_alias = _PendingWrite(raw_key, blob, self._policy.l2_ttl_s)
+                pending_alias = L2Write(raw_key, blob, self._policy.l2_ttl_s)
 
         key = str(CacheKey(self._policy.prefix, task, model.version, generation, digest))
         # Outside probe mode L2 is read inside the flight, so N concurrent misses cost
@@ -326,7 +331,7 @@ class InferenceEngine:
                 tier, model_ms = "coalesced", None
         else:
             model_ms = None
-        if pending_alias is not None and not pending_alias.written:
+        if pending_alias is not None and not pending_alias.sent:
             self._write_l2([pending_alias], budget)
         self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
                      "coalesced": "coalesced"}[tier])  # fmt: skip
@@ -360,7 +365,7 @@ class InferenceEngine:
         model: Classifier,
         canonical_input: Callable[[], Any],
         budget: _L2Budget,
-        pending_alias: _PendingWrite | None,
+        pending_alias: L2Write | None,
     ) -> tuple[CachedResult, str, float | None]:
         # Inside the flight: another flight for this key may have just filled L1.
         cached, tier = self._lookup(key, (CachedResult,), budget)
@@ -384,7 +389,7 @@ class InferenceEngine:
         result = CachedResult(prediction, model.version, self._clock())
         blob = self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, None)
         # The result first: a replica that finds the alias then finds what it points to.
-        result_write = _PendingWrite(key, blob, self._policy.l2_ttl_s)
+        result_write = L2Write(key, blob, self._policy.l2_ttl_s)
         self._write_l2([result_write] + ([pending_alias] if pending_alias else []), budget)
         return result, "miss", elapsed * 1000.0
 
@@ -397,12 +402,15 @@ class InferenceEngine:
             return value, "l1"
         if budget is None or not budget.available or self._l2 is None:
             return None, "miss"
+        waiting = self._writes.take()  # they ride along with this read
         try:
-            raw = self._l2.get(key)
+            raw, refused = self._l2.get_after_writes([w.item() for w in waiting], key)
         except CacheUnavailableError:
             budget.available = False
             self._count("l2_errors")
             return None, "miss"
+        if refused:
+            self._count("l2_errors", refused)
         if raw is None:
             return None, "miss"
         try:
@@ -433,27 +441,33 @@ class InferenceEngine:
         blob = encode(value, key=key)
         self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
         if budget is not None:
-            self._write_l2([_PendingWrite(key, blob, l2_ttl_s)], budget)
+            self._write_l2([L2Write(key, blob, l2_ttl_s)], budget)
         return blob
 
-    def _write_l2(self, writes: list[_PendingWrite], budget: _L2Budget) -> None:
-        """Values already in L1, to L2 in one round trip."""
+    def _write_l2(self, writes: list[L2Write], budget: _L2Budget) -> None:
+        """Values already in L1, to L2: now in one round trip, or with another request's."""
         if self._l2 is None or not budget.available:
             return
+        for write in writes:
+            write.sent = True
+        due = self._writes.add(writes)
+        if due:
+            self._send_writes(due, budget)
+
+    def _send_writes(self, writes: list[L2Write], budget: _L2Budget) -> None:
+        if self._l2 is None or not budget.available:
+            return  # dropped: a cache write is never worth a second timeout
         try:
-            self._l2.set_many([(w.key, w.blob, w.ttl_s) for w in writes])
+            self._l2.set_many([w.item() for w in writes])
         except CacheUnavailableError:
             budget.available = False
             self._count("l2_errors")
-        else:
-            for write in writes:
-                write.written = True
 
     # ---- bookkeeping ------------------------------------------------------
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._counter_lock:
-            setattr(self._counters, name, getattr(self._counters, name) + 1)
+            setattr(self._counters, name, getattr(self._counters, name) + n)
 
     def _emit_result(self, task: str, result: ClassifyResult) -> None:
         if not self._listeners:

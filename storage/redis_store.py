@@ -113,6 +113,36 @@ class RedisStore:
 
         self._call(pipelined)
 
+    def get_after_writes(
+        self, writes: Sequence[tuple[str, bytes, int]], key: str
+    ) -> tuple[bytes | None, int]:
+        """Send `writes` (key, value, ttl_s), in order, then GET `key`, in one round trip.
+
+        Returns (the value or None, how many writes Redis refused). A refused write (say,
+        out of memory under noeviction) is dropped and does not fail the read.
+        """
+        if not writes:
+            return self.get(key), 0
+        if any(ttl_s <= 0 for _, _, ttl_s in writes):
+            raise ValueError("every L2 write needs a positive TTL")
+
+        def pipelined() -> list[Any]:
+            with self._client.pipeline(transaction=False) as pipe:
+                for write_key, value, ttl_s in writes:
+                    pipe.set(write_key, value, ex=ttl_s)
+                pipe.get(key)
+                return pipe.execute(raise_on_error=False)
+
+        replies = self._call(pipelined)
+        refused = sum(isinstance(reply, Exception) for reply in replies[:-1])
+        if refused:
+            self._breaker.record_failure()  # as a refused write on its own would
+        value = replies[-1]
+        if isinstance(value, Exception):
+            self._breaker.record_failure()
+            raise CacheUnavailableError(f"Redis call failed: {value.__class__.__name__}")
+        return value, refused
+
     def delete(self, key: str) -> bool:
         return bool(self._call(lambda: self._client.unlink(key)))
 

@@ -396,3 +396,137 @@ def test_an_upload_miss_writes_result_and_alias_in_one_round_trip(make_runtime, 
     assert len(round_trips) == 3
     assert len([k for k in all_keys(redis_server.url) if b":text-raw:" in k]) == 2
     assert model.calls == 1
+
+
+class GatedTextModel(CountingTextModel):
+    """Holds any message containing "hold" inside the model until `gate` is set, so a
+    test can keep one request in flight while others run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.holding = threading.Event()
+
+    def predict_batch(self, inputs: Any) -> Any:
+        if any("hold" in item.text for item in inputs):
+            self.holding.set()
+            assert self.gate.wait(10), "the test never released the held request"
+        return super().predict_batch(inputs)
+
+
+class HeldRequest:
+    """One request kept in flight (inside the model) until `release()`."""
+
+    def __init__(self, runtime: Runtime, model: GatedTextModel, text: str = "hold this one") -> None:
+        self.model = model
+        self.results: list[Any] = []
+        self.thread = threading.Thread(
+            target=lambda: self.results.append(runtime.engine.classify("text", text))
+        )
+        self.thread.start()
+        assert model.holding.wait(10), "the held request never reached the model"
+
+    def release(self) -> Any:
+        self.model.gate.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive() and len(self.results) == 1
+        return self.results[0]
+
+
+@pytest.fixture
+def gated(make_runtime, redis_server):
+    """(runtime, model, round trips list, key presence check, start a held request)."""
+    model = GatedTextModel()
+    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+    store = runtime.engine.l2_store()
+    assert store is not None
+    round_trips: list[str] = []
+    call = store._call
+    store._call = lambda operation: round_trips.append("call") or call(operation)  # type: ignore[method-assign]
+    client = redis.Redis.from_url(redis_server.url)
+    held: list[HeldRequest] = []
+
+    def in_redis(result: Any) -> bool:
+        return bool(client.exists(result.key))
+
+    def hold(text: str = "hold this one") -> HeldRequest:
+        held.append(HeldRequest(runtime, model, text))
+        return held[-1]
+
+    yield runtime, model, round_trips, in_redis, hold
+    model.gate.set()
+    for request in held:
+        request.thread.join(10)
+    client.close()
+
+
+class TestWritesShareRoundTrips:
+    """While other requests are in flight, a miss's L2 write rides with another round trip."""
+
+    def test_alone_a_miss_is_in_redis_when_it_returns(self, gated) -> None:
+        runtime, _, round_trips, in_redis, _ = gated
+        result = runtime.engine.classify("text", "Where is my parcel?")
+        assert result.tier == "miss" and in_redis(result)
+        assert len(round_trips) == 2  # GET, SET
+
+    def test_under_concurrency_writes_ride_with_the_next_read_and_the_last_to_leave(self, gated) -> None:
+        runtime, model, round_trips, in_redis, hold = gated
+        held = hold()
+        round_trips.clear()
+        first = runtime.engine.classify("text", "Where is my parcel?")
+        assert first.tier == "miss" and len(round_trips) == 1  # its read only: the write waits
+        assert not in_redis(first)
+        second = runtime.engine.classify("text", "Can I change my address?")
+        assert second.tier == "miss" and len(round_trips) == 2  # one read, carrying first's write
+        assert in_redis(first) and not in_redis(second)
+        late = held.release()  # the last request to leave sends what waits, and its own
+        assert in_redis(second) and in_redis(late)
+        assert len(round_trips) == 3
+        # What went to Redis is what was answered: a second replica reads the same answers.
+        for result, text in ((first, "Where is my parcel?"), (second, "Can I change my address?")):
+            runtime.engine.flush("l1")
+            again = runtime.engine.classify("text", text)
+            assert again.tier == "l2" and again.prediction == result.prediction
+        assert model.calls == 3
+
+    def test_a_waiting_write_goes_out_once_overdue(self, gated) -> None:
+        from engine.service import L2_WRITE_DELAY_S
+
+        runtime, _, _, in_redis, hold = gated
+        hold()
+        first = runtime.engine.classify("text", "Where is my parcel?")
+        assert not in_redis(first)
+        time.sleep(L2_WRITE_DELAY_S * 1.5)
+        # An L1 hit makes no round trip of its own, but leaving it finds the write overdue.
+        assert runtime.engine.classify("text", "Where is my parcel?").tier == "l1"
+        assert in_redis(first)
+
+    def test_an_l2_flush_drops_writes_that_were_waiting(self, gated) -> None:
+        runtime, _, _, in_redis, hold = gated
+        held = hold()
+        first = runtime.engine.classify("text", "Where is my parcel?")
+        assert runtime.engine.flush("l2").l2_removed == 0
+        late = held.release()
+        assert not in_redis(first)  # computed before the flush: never lands after it
+        assert in_redis(late)  # computed after it: written as usual
+
+    def test_closing_the_engine_sends_waiting_writes(self, gated) -> None:
+        runtime, _, _, in_redis, hold = gated
+        held = hold()
+        first = runtime.engine.classify("text", "Where is my parcel?")
+        assert not in_redis(first)
+        runtime.engine.close()
+        assert in_redis(first)
+        held.release()
+
+    def test_with_redis_down_waiting_writes_are_dropped_and_answers_go_on(self, gated, redis_server) -> None:
+        runtime, model, _, _, hold = gated
+        held = hold()
+        first = runtime.engine.classify("text", "Where is my parcel?")
+        redis_server.close()
+        second = runtime.engine.classify("text", "Can I change my address?")
+        late = held.release()
+        assert [r.tier for r in (first, second, late)] == ["miss", "miss", "miss"]
+        assert runtime.engine.counters().l2_errors >= 1
+        assert runtime.engine.classify("text", "Where is my parcel?").prediction == first.prediction
+        assert model.calls == 3

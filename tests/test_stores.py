@@ -291,3 +291,29 @@ class TestCodec:
     def test_corrupt_or_foreign_values_are_refused(self, blob: bytes) -> None:
         with pytest.raises(UndecodableValue):
             decode(blob, key="k")
+
+
+def test_redis_get_after_writes_sends_them_first_in_one_call(redis_store: RedisStore) -> None:
+    client = redis_store.client
+    client.set("contract:read", b"r")
+    value, refused = redis_store.get_after_writes(
+        [("contract:a", b"1", 60), ("contract:a", b"2", 300), ("contract:read", b"new", 60)], "contract:read"
+    )
+    assert (value, refused) == (b"new", 0)  # the writes went first, in order
+    assert client.get("contract:a") == b"2" and 60 < client.ttl("contract:a") <= 300
+    assert redis_store.get_after_writes([], "contract:missing") == (None, 0)
+    with pytest.raises(ValueError):
+        redis_store.get_after_writes([("contract:c", b"v", 0)], "contract:read")
+    assert client.get("contract:c") is None
+
+
+def test_redis_get_after_writes_reads_even_when_a_write_is_refused(redis_store: RedisStore) -> None:
+    client = redis_store.client
+    client.set("contract:read", b"r")
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)  # every write now fails with OOM; reads still work
+    value, refused = redis_store.get_after_writes(
+        [("contract:big", b"x" * 10_000, 60), ("contract:big2", b"y", 60)], "contract:read"
+    )
+    assert (value, refused) == (b"r", 2)
+    assert client.get("contract:big") is None
