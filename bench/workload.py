@@ -90,6 +90,11 @@ from storage.embedded_redis import free_port
 
 SYSTEMS = ("nocache", "seed", "grcache", "ours")
 PEERS = ("nocache", "seed", "grcache")
+# Opt-in (--systems), to say where a difference comes from: `ours-l1` is ours with
+# REDIS_URL=off (the Redis tier's cost, by difference); `nocache-twin` is a second,
+# identical nocache (the run's noise floor: its ratio to nocache should be 1.00).
+ATTRIBUTION_SYSTEMS = ("ours-l1", "nocache-twin")
+ALL_SYSTEMS = SYSTEMS + ATTRIBUTION_SYSTEMS
 WORKLOADS = ("zipf-restart", "unique")
 HTTP_SYSTEMS = ("grcache", "ours")
 USES_REDIS = frozenset({"seed", "ours"})
@@ -398,9 +403,8 @@ class System(Protocol):
 
 
 class NoCache:
-    name = "nocache"
-
-    def __init__(self, models: Mapping[str, CountingModel]) -> None:
+    def __init__(self, models: Mapping[str, CountingModel], name: str = "nocache") -> None:
+        self.name = name
         self._models = models
 
     def classify(self, task: str, raw: Any) -> tuple[Any, str | None]:
@@ -521,11 +525,10 @@ def our_settings(redis_url: str | None, data_dir: Path, device: str) -> Any:
 
 
 class Ours:
-    name = "ours"
-
-    def __init__(self, models: Mapping[str, CountingModel], settings: Any) -> None:
+    def __init__(self, models: Mapping[str, CountingModel], settings: Any, name: str = "ours") -> None:
         from engine.runtime import build_runtime
 
+        self.name = name
         self._build = functools.partial(build_runtime, settings, models=models)
         self._runtime = self._build()
         self._l2_errors = 0  # of the runtimes closed so far
@@ -562,6 +565,10 @@ def build_system(
         return GrCache(models, max_memory=settings.cache_l1_max_bytes)  # the same budget as our L1
     if name == "ours":
         return Ours(models, settings)
+    if name == "ours-l1":
+        return Ours(models, replace(settings, redis_url="off"), name)
+    if name == "nocache-twin":
+        return NoCache(models, name)
     raise ValueError(f"unknown system {name!r}")
 
 
@@ -1369,17 +1376,15 @@ def results_table(results: Mapping[str, Result]) -> str:
 
 def ratio_table(results: Mapping[str, Mapping[str, Result]]) -> str:
     rows = []
+    pairs = [("ours", peer) for peer in PEERS] + [("ours", "ours-l1"), ("nocache-twin", "nocache")]
     for workload, by_system in results.items():
-        ours = by_system.get("ours")
-        if ours is None:
-            continue
-        for peer in PEERS:
-            other = by_system.get(peer)
-            if other is None:
+        for name, peer in pairs:
+            ours, other = by_system.get(name), by_system.get(peer)
+            if ours is None or other is None:
                 continue
             rows.append(
                 [
-                    f"{workload}: ours / {peer}",
+                    f"{workload}: {name} / {peer}",
                     f"{ratio(ours, other):.2f}x",
                     _times(other.percentile(50), ours.percentile(50)),
                     _times(other.percentile(99), ours.percentile(99)),
@@ -1590,7 +1595,8 @@ def write_chart(run: Run, path: Path) -> None:
         panels.append(("zipf-restart over HTTP", run.http))
     titles = [f"latency CDF: {name}" for name, _ in panels] + ["throughput (requests/s)"]
     fig = make_subplots(rows=1, cols=len(panels) + 1, subplot_titles=titles)
-    colours = {"nocache": "#7f7f7f", "seed": "#ff7f0e", "grcache": "#1f77b4", "ours": "#2ca02c"}
+    colours = {"nocache": "#7f7f7f", "seed": "#ff7f0e", "grcache": "#1f77b4", "ours": "#2ca02c",
+               "ours-l1": "#98df8a", "nocache-twin": "#c7c7c7"}  # fmt: skip
     for col, (_, by_system) in enumerate(panels, start=1):
         for name, result in by_system.items():
             ordered = np.sort(result.latencies_ms)
@@ -1613,7 +1619,7 @@ def write_chart(run: Run, path: Path) -> None:
         fig.update_xaxes(type="log", title_text="ms (log)", row=1, col=col)
         fig.update_yaxes(title_text="share of requests", range=[0, 1], row=1, col=col)
     bar_col = len(panels) + 1
-    for name in SYSTEMS:
+    for name in ALL_SYSTEMS:
         xs = [label for label, by_system in panels if name in by_system]
         ys = [by_system[name].throughput for _, by_system in panels if name in by_system]
         fig.add_trace(
@@ -1686,7 +1692,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="HTTP clients send no session hash (curl style): Gradio builds a new session per request",
     )
     parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS)
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated subset of {','.join(SYSTEMS)}; opt-in: {','.join(ATTRIBUTION_SYSTEMS)}"
+        " (ours without Redis; a second nocache, the noise floor)",
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--images", type=int, default=IMAGES)
@@ -1726,11 +1735,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"write the plotly chart here (default run: {CHART_PATH.name}; --quick: nowhere)",
     )
     args = parser.parse_args(argv)
-    args.systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
+    args.systems = tuple(s for s in ALL_SYSTEMS if s in args.systems.split(","))
     args.workloads = tuple(w for w in WORKLOADS if w in args.workloads.split(","))
     if not args.systems or not args.workloads:
         parser.error(
-            f"--systems takes some of {','.join(SYSTEMS)}; --workloads some of {','.join(WORKLOADS)}"
+            f"--systems takes some of {','.join(ALL_SYSTEMS)}; --workloads some of {','.join(WORKLOADS)}"
         )
     if min(args.images, args.messages, args.clients, args.segments) < 1 or (
         args.threads is not None and args.threads < 1

@@ -9,6 +9,7 @@ run) gives the right counts and ends with a summary line that parses.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,7 @@ def test_every_system_answers_like_the_model_on_every_input(
 ) -> None:
     expected = expected_answers(real_models, jobs)
     base_url = redis_server.url.rsplit("/", 1)[0]
-    for db, name in enumerate(workload.SYSTEMS):
+    for db, name in enumerate(workload.ALL_SYSTEMS):
         models = workload.counting(real_models)
         system = workload.build_system(
             name, models, redis_url=f"{base_url}/{db}", data_dir=tmp_path / name, device="cpu"
@@ -100,8 +101,10 @@ def test_every_system_answers_like_the_model_on_every_input(
         finally:
             system.close()
         calls = sum(m.calls for m in models.values())
-        # nocache: every request; gr.cache: again after the restart; the others keep Redis.
-        assert calls == {"nocache": 3, "grcache": 2}.get(name, 1) * len(jobs), name
+        # nocache: every request; gr.cache and ours without Redis: again after the restart;
+        # the others keep Redis.
+        runs = {"nocache": 3, "nocache-twin": 3, "grcache": 2, "ours-l1": 2}.get(name, 1)
+        assert calls == runs * len(jobs), name
 
 
 @pytest.mark.redis
@@ -182,3 +185,18 @@ def test_the_summary_line_is_strict() -> None:
     for bad in (good.replace("SUMMARY", "summary"), good + " extra=1", good.replace("=7.10", "=fast")):
         with pytest.raises(ValueError):
             workload.parse_summary(bad)
+
+
+def test_attribution_systems_are_opt_in_and_get_their_ratio_rows() -> None:
+    def result(name: str, wall_s: float) -> workload.Result:
+        result = workload.Result(name, "unique")
+        result.add(workload.Segment(np.ones(10), wall_s, 0.1, Counter(miss=10), []))
+        return result
+
+    assert not set(workload.ATTRIBUTION_SYSTEMS) & set(workload.SYSTEMS)
+    names = {"nocache": 1.0, "ours": 1.0, "ours-l1": 0.5, "nocache-twin": 2.0}
+    table = workload.ratio_table({"unique": {name: result(name, wall) for name, wall in names.items()}})
+    rows = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert "0.50x" in rows["unique: ours / ours-l1"]
+    assert "0.50x" in rows["unique: nocache-twin / nocache"]
+    assert "1.00x" in rows["unique: ours / nocache"]
