@@ -82,10 +82,6 @@ class WriteBatch:
         with self._lock:
             return len(self._take())
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
     def _overdue(self) -> bool:
         return bool(self._waiting) and self._clock() - self._oldest >= self._max_delay_s
 
