@@ -1379,17 +1379,17 @@ def ratio_table(results: Mapping[str, Mapping[str, Result]]) -> str:
     pairs = [("ours", peer) for peer in PEERS] + [("ours", "ours-l1"), ("nocache-twin", "nocache")]
     for workload, by_system in results.items():
         for name, peer in pairs:
-            ours, other = by_system.get(name), by_system.get(peer)
-            if ours is None or other is None:
+            subject, other = by_system.get(name), by_system.get(peer)
+            if subject is None or other is None:
                 continue
             rows.append(
                 [
                     f"{workload}: {name} / {peer}",
-                    f"{ratio(ours, other):.2f}x",
-                    _times(other.percentile(50), ours.percentile(50)),
-                    _times(other.percentile(99), ours.percentile(99)),
-                    _times(other.cpu_s / max(other.requests, 1), ours.cpu_s / max(ours.requests, 1)),
-                    f"{other.model_calls / max(ours.model_calls, 1):.2f}x",
+                    f"{ratio(subject, other):.2f}x",
+                    _times(other.percentile(50), subject.percentile(50)),
+                    _times(other.percentile(99), subject.percentile(99)),
+                    _times(other.cpu_s / max(other.requests, 1), subject.cpu_s / max(subject.requests, 1)),
+                    f"{other.model_calls / max(subject.model_calls, 1):.2f}x",
                 ]
             )
     headers = [

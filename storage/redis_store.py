@@ -60,6 +60,16 @@ def make_client(url: str, *, socket_timeout_s: float, max_connections: int = 64)
     return redis.Redis(connection_pool=pool)
 
 
+def _require_ttls(items: Sequence[tuple[str, bytes, int]]) -> None:
+    if any(ttl_s <= 0 for _, _, ttl_s in items):
+        raise ValueError("every L2 write needs a positive TTL")
+
+
+def _queue_sets(pipe: Any, items: Sequence[tuple[str, bytes, int]]) -> None:
+    for key, value, ttl_s in items:
+        pipe.set(key, value, ex=ttl_s)
+
+
 class RedisStore:
     """get/set/delete/clear over one Redis, scoped to `prefix`."""
 
@@ -98,8 +108,7 @@ class RedisStore:
 
     def set_many(self, items: Sequence[tuple[str, bytes, int]]) -> None:
         """Several (key, value, ttl_s) writes in one round trip, in order (not atomic)."""
-        if any(ttl_s <= 0 for _, _, ttl_s in items):
-            raise ValueError("every L2 write needs a positive TTL")
+        _require_ttls(items)
         if len(items) == 1:
             key, value, ttl_s = items[0]
             self._call(lambda: self._client.set(key, value, ex=ttl_s))
@@ -107,8 +116,7 @@ class RedisStore:
 
         def pipelined() -> None:
             with self._client.pipeline(transaction=False) as pipe:
-                for key, value, ttl_s in items:
-                    pipe.set(key, value, ex=ttl_s)
+                _queue_sets(pipe, items)
                 pipe.execute()
 
         self._call(pipelined)
@@ -123,13 +131,11 @@ class RedisStore:
         """
         if not writes:
             return self.get(key), 0
-        if any(ttl_s <= 0 for _, _, ttl_s in writes):
-            raise ValueError("every L2 write needs a positive TTL")
+        _require_ttls(writes)
 
         def pipelined() -> list[Any]:
             with self._client.pipeline(transaction=False) as pipe:
-                for write_key, value, ttl_s in writes:
-                    pipe.set(write_key, value, ex=ttl_s)
+                _queue_sets(pipe, writes)
                 pipe.get(key)
                 return pipe.execute(raise_on_error=False)
 
