@@ -96,6 +96,9 @@ class Settings:
     max_text_chars: int = 2000
     log_retention_days: float = 30.0
     log_max_rows: int = 1_000_000
+    # Concurrent misses of a model that batches (the text model) share one forward pass of
+    # at most this many inputs; 1 turns batching off.
+    batch_max_size: int = 8
 
     @property
     def l2_disabled(self) -> bool:
@@ -133,6 +136,7 @@ class Settings:
             cache_l1_ttl_s=_float(env, "CACHE_L1_TTL_S", 3600.0, minimum=0.001),
             cache_ttl_s=_int(env, "CACHE_TTL_S", 86400, minimum=1),
             cache_negative_ttl_s=_int(env, "CACHE_NEGATIVE_TTL_S", 60, minimum=1),
+            batch_max_size=_int(env, "BATCH_MAX_SIZE", 8, minimum=1),
             redis_socket_timeout_s=_float(env, "REDIS_SOCKET_TIMEOUT_S", 0.25, minimum=0.01),
             redis_maxmemory_mb=_int(env, "REDIS_MAXMEMORY_MB", 256, minimum=1),
             breaker_failure_threshold=_int(env, "BREAKER_FAILURE_THRESHOLD", 1, minimum=1),

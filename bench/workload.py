@@ -27,7 +27,8 @@ Systems, around the same loaded models and the same decoding of uploaded bytes
   settings (L1 in process, L2 on Redis, request log and metrics listeners).
 
 Every system runs in its own child process (so its peak RSS is its own) with
-its own fresh redis-server when it uses one; all four are alive at once and the
+its own fresh redis-server when it uses one (on a unix socket, as the app's
+private redis-server when REDIS_URL is unset); all four are alive at once and the
 stream is replayed in segments, the systems taking turns segment by segment (in
 a rotating order), so that load from other processes spreads over all of them.
 Restart time (and model loading) is not part of the wall time.
@@ -49,7 +50,7 @@ bench/workload_chart.html; `--quick` uses 4,000 and writes nothing unless asked.
                                        [--device auto|cpu|cuda] [--in-process]
 
 Needs `redis-server` on PATH (the script starts and stops its own, one per
-system that uses Redis, on free loopback ports; it touches no other Redis).
+system that uses Redis, on unix sockets in temp dirs; it touches no other Redis).
 """
 
 from __future__ import annotations
@@ -91,13 +92,18 @@ from storage.embedded_redis import free_port
 SYSTEMS = ("nocache", "seed", "grcache", "ours")
 PEERS = ("nocache", "seed", "grcache")
 # Opt-in (--systems), to say where a difference comes from: `ours-l1` is ours with
-# REDIS_URL=off (the Redis tier's cost, by difference); `nocache-twin` is a second,
-# identical nocache (the run's noise floor: its ratio to nocache should be 1.00).
-ATTRIBUTION_SYSTEMS = ("ours-l1", "nocache-twin")
+# REDIS_URL=off (the Redis tier's cost, by difference); `ours-tcp` is ours with its Redis on
+# loopback TCP instead of a unix socket (what the transport costs); `ours-nobatch` is ours with
+# BATCH_MAX_SIZE=1 (what micro-batching gives); `nocache-twin` is a second, identical nocache
+# (the run's noise floor: its ratio to nocache should be 1.00).
+ATTRIBUTION_SYSTEMS = ("ours-l1", "ours-tcp", "ours-nobatch", "nocache-twin")
 ALL_SYSTEMS = SYSTEMS + ATTRIBUTION_SYSTEMS
 WORKLOADS = ("zipf-restart", "unique")
 HTTP_SYSTEMS = ("grcache", "ours")
-USES_REDIS = frozenset({"seed", "ours"})
+USES_REDIS = frozenset({"seed", "ours", "ours-tcp", "ours-nobatch"})
+# Every Redis this script starts is like the app's private one (REDIS_URL unset): a unix
+# socket, no TCP port; these systems get loopback TCP instead.
+REDIS_OVER_TCP = frozenset({"ours-tcp"})
 
 FULL_REQUESTS = 20_000
 QUICK_REQUESTS = 4_000
@@ -567,6 +573,10 @@ def build_system(
         return Ours(models, settings)
     if name == "ours-l1":
         return Ours(models, replace(settings, redis_url="off"), name)
+    if name == "ours-tcp":  # the same engine; run_workload gives it a Redis on loopback TCP
+        return Ours(models, settings, name)
+    if name == "ours-nobatch":
+        return Ours(models, replace(settings, batch_max_size=1), name)
     if name == "nocache-twin":
         return NoCache(models, name)
     raise ValueError(f"unknown system {name!r}")
@@ -900,11 +910,13 @@ def split_segments(stream: np.ndarray, segments: int) -> list[list[int]]:
 
 
 @contextmanager
-def fresh_redis(workdir: Path) -> Iterator[Any]:
-    """A private redis-server on a free loopback port (the app's maxmemory and policy), no snapshots."""
-    from storage.embedded_redis import EmbeddedRedis, free_port
+def fresh_redis(workdir: Path, *, tcp: bool = False) -> Iterator[Any]:
+    """A private redis-server with the app's maxmemory and policy and no snapshots: on a unix
+    socket as the app starts its own (REDIS_URL unset), or on a free loopback port (`tcp`)."""
+    from storage.embedded_redis import EmbeddedRedis
 
-    server = EmbeddedRedis(data_dir=workdir, maxmemory_mb=REDIS_MAXMEMORY_MB, port=free_port(), save=False)
+    port = free_port() if tcp else None
+    server = EmbeddedRedis(data_dir=workdir, maxmemory_mb=REDIS_MAXMEMORY_MB, port=port, save=False)
     server.start()
     try:
         yield server
@@ -971,7 +983,9 @@ def run_workload(
         for name in config.systems:
             redis_url = None
             if name in USES_REDIS:
-                servers[name] = stack.enter_context(fresh_redis(workdir / f"{workload}-{name}-redis"))
+                servers[name] = stack.enter_context(
+                    fresh_redis(workdir / f"{workload}-{name}-redis", tcp=name in REDIS_OVER_TCP)
+                )
                 redis_url = servers[name].url
             spec = WorkerSpec(
                 name,
@@ -1376,7 +1390,12 @@ def results_table(results: Mapping[str, Result]) -> str:
 
 def ratio_table(results: Mapping[str, Mapping[str, Result]]) -> str:
     rows = []
-    pairs = [("ours", peer) for peer in PEERS] + [("ours", "ours-l1"), ("nocache-twin", "nocache")]
+    pairs = [("ours", peer) for peer in PEERS] + [
+        ("ours", "ours-l1"),
+        ("ours-tcp", "ours"),
+        ("ours-nobatch", "ours"),
+        ("nocache-twin", "nocache"),
+    ]
     for workload, by_system in results.items():
         for name, peer in pairs:
             subject, other = by_system.get(name), by_system.get(peer)
@@ -1552,10 +1571,12 @@ def report_lines(
     values: Mapping[str, float],
     device: str,
 ) -> list[str]:
+    tcp_note = " (ours-tcp: loopback TCP)" if REDIS_OVER_TCP & set(config.systems) else ""
     lines = [
         f"device: {device} | {config.clients} concurrent clients | Zipf s={config.zipf_s} | torch threads "
         f"{config.threads or 'default'} | "
-        f"{'each system in its own process' if config.isolated else 'all systems in one process (RSS n/a)'}",
+        f"{'each system in its own process' if config.isolated else 'all systems in one process (RSS n/a)'}"
+        f" | Redis on unix sockets{tcp_note}",
     ]
     for workload, by_system in results.items():
         lines += ["", f"{workload}:", results_table(by_system)]
@@ -1596,7 +1617,8 @@ def write_chart(run: Run, path: Path) -> None:
     titles = [f"latency CDF: {name}" for name, _ in panels] + ["throughput (requests/s)"]
     fig = make_subplots(rows=1, cols=len(panels) + 1, subplot_titles=titles)
     colours = {"nocache": "#7f7f7f", "seed": "#ff7f0e", "grcache": "#1f77b4", "ours": "#2ca02c",
-               "ours-l1": "#98df8a", "nocache-twin": "#c7c7c7"}  # fmt: skip
+               "ours-l1": "#98df8a", "ours-tcp": "#ff9896", "ours-nobatch": "#c5b0d5",
+               "nocache-twin": "#c7c7c7"}  # fmt: skip
     for col, (_, by_system) in enumerate(panels, start=1):
         for name, result in by_system.items():
             ordered = np.sort(result.latencies_ms)

@@ -115,8 +115,9 @@ def build_runtime(
             negative_ttl_s=settings.cache_negative_ttl_s,
         )
         engine = InferenceEngine(
-            models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice
-        )
+            models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice,
+            batch_max_size=settings.batch_max_size,
+        )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
         if isinstance(generation, RedisGeneration):
             generation.start()

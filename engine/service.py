@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from engine.batching import MicroBatcher
 from engine.codec import (
     CachedAlias,
     CachedRejection,
@@ -142,8 +143,15 @@ class InferenceEngine:
         policy: CachePolicy,
         l2_notice: str | None = None,
         clock: Callable[[], float] = time.time,
+        batch_max_size: int = 1,
     ) -> None:
         self._models = dict(models)
+        # Only models that gain from it batch (see engine.batching); the others run as they come.
+        self._batchers = {
+            task: MicroBatcher(model, max_batch=batch_max_size)
+            for task, model in self._models.items()
+            if batch_max_size > 1 and getattr(model, "batch_misses", False)
+        }
         self._l1 = l1
         self._l2 = l2
         self._generation = generation
@@ -372,9 +380,16 @@ class InferenceEngine:
         if cached is not None:
             return cached, tier, None  # type: ignore[return-value]
         canonical = canonical_input()
+        batcher = self._batchers.get(model.task)
         model_started = time.perf_counter()
+        forward_s: float | None = None  # a batch's pass, without the wait for it
+        share = 1.0  # of that pass, counted as this request's model time
         try:
-            prediction = model.predict_batch([canonical])[0]
+            if batcher is not None:
+                prediction, batch_size, forward_s = batcher.predict(canonical)
+                share = 1.0 / batch_size
+            else:
+                prediction = model.predict_batch([canonical])[0]
         except InvalidInputError:
             raise
         except Exception as exc:
@@ -382,10 +397,10 @@ class InferenceEngine:
             log.exception("%s model failed", model.name)
             raise ModelError(f"The {model.task} model failed: {exc.__class__.__name__}.") from exc
         finally:
-            elapsed = time.perf_counter() - model_started
+            elapsed = forward_s if forward_s is not None else time.perf_counter() - model_started
             with self._counter_lock:
                 self._counters.model_calls[model.task] += 1
-                self._counters.model_seconds[model.task] += elapsed
+                self._counters.model_seconds[model.task] += elapsed * share
         result = CachedResult(prediction, model.version, self._clock())
         blob = self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, None)
         # The result first: a replica that finds the alias then finds what it points to.

@@ -7,6 +7,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -530,3 +531,55 @@ class TestWritesShareRoundTrips:
         assert runtime.engine.counters().l2_errors >= 1
         assert runtime.engine.classify("text", "Where is my parcel?").prediction == first.prediction
         assert model.calls == 3
+
+
+class BatchingTextModel(GatedTextModel):
+    """The stand-in, opted in to micro-batching like the real text model; records its batches."""
+
+    batch_misses = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[str]] = []
+
+    def predict_batch(self, inputs: Any) -> Any:
+        self.batches.append([item.text for item in inputs])
+        return super().predict_batch(inputs)
+
+
+@pytest.fixture
+def pool() -> Any:
+    with ThreadPoolExecutor(max_workers=8) as executor:
+        yield executor
+
+
+class TestMissesShareForwardPasses:
+    """engine.batching in the engine: misses waiting for a busy model go in its next pass."""
+
+    def test_waiting_misses_share_the_next_pass_and_each_is_cached(self, make_runtime, pool) -> None:
+        model = BatchingTextModel()
+        runtime = make_runtime(models={"text": model}, redis_url="off")
+        held = HeldRequest(runtime, model)
+        texts = ["Where is my parcel?", "I want a refund", "Reset my password"]
+        futures = [pool.submit(runtime.engine.classify, "text", text) for text in texts]
+        for _ in range(500):  # until all three wait for the held pass
+            if len(runtime.engine._batchers["text"]._waiting) == 3:
+                break
+            time.sleep(0.01)
+        held.release()
+        results = [future.result(10) for future in futures]
+        assert [len(batch) for batch in model.batches] == [1, 3]
+        reference = CountingTextModel()
+        for text, result in zip(texts, results, strict=True):
+            assert result.tier == "miss"
+            assert result.prediction == reference.predict_batch([reference.canonicalize(text)])[0]
+            assert runtime.engine.classify("text", text).tier == "l1"
+        counters = runtime.engine.counters()
+        assert counters.model_calls["text"] == 4 and counters.misses == 4
+
+    def test_batch_max_size_one_turns_it_off(self, make_runtime, pool) -> None:
+        model = BatchingTextModel()
+        runtime = make_runtime(models={"text": model}, redis_url="off", batch_max_size=1)
+        assert runtime.engine._batchers == {}
+        list(pool.map(lambda t: runtime.engine.classify("text", t), [f"message {k}" for k in range(12)]))
+        assert all(len(batch) == 1 for batch in model.batches) and len(model.batches) == 12

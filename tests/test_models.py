@@ -230,6 +230,25 @@ def test_text_prediction_is_deterministic(text_model: TextClassifier) -> None:
     assert_well_formed(first[0])
 
 
+def test_text_batches_give_each_message_its_own_answer(
+    text_model: TextClassifier, support_messages: dict[str, list[str]]
+) -> None:
+    """What engine.batching relies on: in a batch (padded to its longest message) each
+    message keeps its labels, in order, and its scores to well within 1e-5."""
+    assert text_model.batch_misses
+    messages = [m for group in support_messages.values() for m in group]
+    canonical = [text_model.canonicalize(m) for m in messages]
+    singles = [text_model.predict_batch([c])[0] for c in canonical]
+    for size in (2, 3, 8):
+        for start in range(0, len(canonical), size):
+            batch = text_model.predict_batch(canonical[start : start + size])
+            for offset, prediction in enumerate(batch):
+                single = singles[start + offset]
+                assert top_names(prediction, 5) == top_names(single, 5), messages[start + offset]
+                for (_, a), (_, b) in zip(prediction.labels, single.labels, strict=True):
+                    assert a == pytest.approx(b, abs=1e-6), messages[start + offset]
+
+
 # --------------------------------------------------------------------------- versions
 
 

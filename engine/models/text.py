@@ -70,6 +70,8 @@ class TextClassifier:
     task = "text"
     name = "all-MiniLM-L6-v2-intents"
     cheap_canonicalize = True  # microseconds: fine to do in the queue's pre-check
+    # Concurrent misses share a forward pass: its per-call cost is large (engine.batching).
+    batch_misses = True
 
     def __init__(
         self,

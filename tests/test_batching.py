@@ -1,0 +1,139 @@
+"""MicroBatcher: concurrent misses of one model share a forward pass (engine.batching).
+
+A tiny deterministic stand-in model: the subject is the queueing, not the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from engine.batching import MicroBatcher
+from engine.models.base import Prediction
+
+
+class GatedModel:
+    """Records every batch; a batch containing "hold" waits for `gate`; "bad" makes a batch fail."""
+
+    task = "text"
+    name = "gated"
+    version = "v1"
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.gate = threading.Event()
+        self.holding = threading.Event()
+        self.running = 0
+        self.most_running = 0
+        self._lock = threading.Lock()
+
+    def predict_batch(self, inputs: Sequence[str]) -> list[Prediction]:
+        with self._lock:
+            self.batches.append(list(inputs))
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        try:
+            if "hold" in inputs:
+                self.holding.set()
+                assert self.gate.wait(10), "the test never released the held pass"
+            if "bad" in inputs:
+                raise ValueError("a bad input in the batch")
+            return [Prediction(((item, float(len(item))),)) for item in inputs]
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+@pytest.fixture
+def model() -> Iterator[GatedModel]:
+    model = GatedModel()
+    yield model
+    model.gate.set()  # never leave a thread waiting
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=16) as executor:
+        yield executor
+
+
+def wait_until_queued(batcher: MicroBatcher, count: int) -> None:
+    deadline = threading.Event()
+    for _ in range(500):
+        if len(batcher._waiting) >= count:
+            return
+        deadline.wait(0.01)
+    raise AssertionError(f"{count} misses never queued")
+
+
+def test_alone_a_miss_runs_at_once_in_a_batch_of_one(model: GatedModel) -> None:
+    batcher = MicroBatcher(model, max_batch=8)
+    answer = batcher.predict("hello")
+    assert answer.prediction.labels == (("hello", 5.0),)
+    assert answer.batch_size == 1 and answer.elapsed_s >= 0
+    assert model.batches == [["hello"]]
+
+
+def test_misses_that_wait_for_a_pass_go_together_in_the_next(model: GatedModel, pool: Any) -> None:
+    batcher = MicroBatcher(model, max_batch=8)
+    held = pool.submit(batcher.predict, "hold")
+    assert model.holding.wait(10)
+    waiting = {text: pool.submit(batcher.predict, text) for text in ("a", "bb", "ccc")}
+    wait_until_queued(batcher, 3)
+    model.gate.set()
+    assert held.result(10).batch_size == 1
+    for text, future in waiting.items():
+        answer = future.result(10)
+        assert answer.prediction.labels == ((text, float(len(text))),)  # each its own answer
+        assert answer.batch_size == 3
+    assert len(model.batches) == 2 and sorted(model.batches[1]) == ["a", "bb", "ccc"]
+    assert model.most_running == 1
+
+
+def test_a_batch_holds_at_most_max_batch_inputs(model: GatedModel, pool: Any) -> None:
+    batcher = MicroBatcher(model, max_batch=2)
+    held = pool.submit(batcher.predict, "hold")
+    assert model.holding.wait(10)
+    futures = [pool.submit(batcher.predict, f"m{k}") for k in range(5)]
+    wait_until_queued(batcher, 5)
+    model.gate.set()
+    held.result(10)
+    assert [f.result(10).prediction.labels[0][0] for f in futures] == [f"m{k}" for k in range(5)]
+    assert [len(batch) for batch in model.batches] == [1, 2, 2, 1]
+
+
+def test_a_failing_batch_is_retried_one_by_one_so_only_the_bad_input_fails(
+    model: GatedModel, pool: Any
+) -> None:
+    batcher = MicroBatcher(model, max_batch=8)
+    held = pool.submit(batcher.predict, "hold")
+    assert model.holding.wait(10)
+    good = pool.submit(batcher.predict, "good")
+    bad = pool.submit(batcher.predict, "bad")
+    wait_until_queued(batcher, 2)
+    model.gate.set()
+    held.result(10)
+    assert good.result(10).prediction.labels == (("good", 4.0),)
+    with pytest.raises(ValueError, match="bad input"):
+        bad.result(10)
+    assert batcher.predict("after").batch_size == 1  # the batcher is not stuck
+
+
+def test_under_load_one_pass_at_a_time_and_every_answer_its_own(model: GatedModel, pool: Any) -> None:
+    batcher = MicroBatcher(model, max_batch=4)
+    texts = [f"message {k}" * (k % 3 + 1) for k in range(200)]
+    answers = list(pool.map(batcher.predict, texts))
+    assert [a.prediction.labels for a in answers] == [((t, float(len(t))),) for t in texts]
+    assert model.most_running == 1
+    assert sum(len(batch) for batch in model.batches) == len(texts)
+    assert max(len(batch) for batch in model.batches) <= 4
+
+
+def test_max_batch_below_two_is_refused(model: GatedModel) -> None:
+    with pytest.raises(ValueError):
+        MicroBatcher(model, max_batch=1)
