@@ -6,6 +6,7 @@ A tiny deterministic stand-in model: the subject is the queueing, not the model.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -63,11 +64,10 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 
 
 def wait_until_queued(batcher: MicroBatcher, count: int) -> None:
-    deadline = threading.Event()
     for _ in range(500):
         if len(batcher._waiting) >= count:
             return
-        deadline.wait(0.01)
+        time.sleep(0.01)
     raise AssertionError(f"{count} misses never queued")
 
 
