@@ -62,7 +62,7 @@ import redis
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.models import MESSAGES, PHOTOS, format_table, load_photos, photo_dir
+from bench.models import MESSAGES, PHOTOS, SCORE_TOLERANCE, format_table, load_photos, photo_dir
 from engine.codec import ALIAS_SCHEMA, RESULT_SCHEMA
 from engine.errors import InvalidInputError
 from engine.keys import raw_digest
@@ -76,7 +76,6 @@ TOKEN = "faults-suite-operator-token"
 SOCKET_TIMEOUT_S = 0.25  # REDIS_SOCKET_TIMEOUT_S given to the apps (the default)
 REFRESH_S = 0.5  # GENERATION_REFRESH_S given to the apps (the default)
 REDIS_MAXMEMORY_MB = 256
-SCORE_TOLERANCE = 1e-5  # as bench.workload: answers agree when labels match and scores within this
 # An input error worded like this is a server fault reaching the user, not a verdict on the input.
 SERVER_FAULT_WORDS = ("Traceback", "Something went wrong", "model failed", "Internal Server Error")
 # The settings each app gets from us; inherited values of these are dropped.
@@ -868,8 +867,7 @@ def compare_answer(case: Case, outcome: Outcome, versions: dict[str, str]) -> tu
     except (KeyError, TypeError):
         return "wrong", f"malformed label {str(label)[:120]}"
     expected = dict(case.expect.labels)
-    # Within SCORE_TOLERANCE, not bit for bit: text misses computed in one batch differ from
-    # one-at-a-time scores in the last bits (engine.batching); the labels may not differ.
+    # Within SCORE_TOLERANCE, not bit for bit; the labels may not differ.
     agree = got.keys() == expected.keys() and all(
         abs(got[name] - score) <= SCORE_TOLERANCE for name, score in expected.items()
     )

@@ -86,7 +86,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bench.models import PHOTOS, fmt_ms, format_table, host_load, photo_dir, set_threads
+from bench.models import PHOTOS, SCORE_TOLERANCE, fmt_ms, format_table, host_load, photo_dir, set_threads
 from storage.embedded_redis import free_port
 
 SYSTEMS = ("nocache", "seed", "grcache", "ours")
@@ -124,7 +124,6 @@ INPUTS_VERSION = 1  # bump when the generators below change what they make
 SEED_LRU_SIZE = 128
 SEED_TTL_S = 3600
 REDIS_MAXMEMORY_MB = 256  # the app's default for its private redis-server
-SCORE_TOLERANCE = 1e-5  # answers agree when labels match in order and scores within this
 
 IMAGE_SOURCES = (*PHOTOS, "motorcycle_left.png", "retina.jpg", "coins.png", "moon.png")
 MAX_SIDE = 640  # derived images are at most this wide or high

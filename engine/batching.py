@@ -27,22 +27,20 @@ from typing import Any, NamedTuple
 from engine.models.base import Classifier, Prediction
 
 
-class _Waiter:
-    __slots__ = ("batch_size", "done", "elapsed_s", "error", "item", "prediction")
-
-    def __init__(self, item: Any) -> None:
-        self.item = item
-        self.done = False
-        self.prediction: Prediction | None = None
-        self.error: BaseException | None = None
-        self.batch_size = 0
-        self.elapsed_s = 0.0
-
-
 class BatchedPrediction(NamedTuple):
     prediction: Prediction
     batch_size: int  # how many inputs the forward pass that answered it had
     elapsed_s: float  # that forward pass's time
+
+
+class _Waiter:
+    __slots__ = ("answer", "done", "error", "item")
+
+    def __init__(self, item: Any) -> None:
+        self.item = item
+        self.done = False
+        self.answer: BatchedPrediction | None = None
+        self.error: BaseException | None = None
 
 
 class MicroBatcher:
@@ -81,8 +79,8 @@ class MicroBatcher:
                     self._cond.notify_all()
         if waiter.error is not None:
             raise waiter.error
-        assert waiter.prediction is not None
-        return BatchedPrediction(waiter.prediction, waiter.batch_size, waiter.elapsed_s)
+        assert waiter.answer is not None
+        return waiter.answer
 
     def _run(self, batch: Sequence[_Waiter]) -> None:
         started = time.perf_counter()
@@ -95,21 +93,12 @@ class MicroBatcher:
                 for waiter in batch:  # one bad input must not fail the others
                     self._run([waiter])
                 return
-            self._finish(batch[0], None, exc, 1, time.perf_counter() - started)
+            self._finish(batch[0], None, exc)
             return
         elapsed = time.perf_counter() - started
         for waiter, prediction in zip(batch, predictions, strict=True):
-            self._finish(waiter, prediction, None, len(batch), elapsed)
+            self._finish(waiter, BatchedPrediction(prediction, len(batch), elapsed), None)
 
-    def _finish(
-        self,
-        waiter: _Waiter,
-        prediction: Prediction | None,
-        error: Exception | None,
-        size: int,
-        elapsed: float,
-    ) -> None:
+    def _finish(self, waiter: _Waiter, answer: BatchedPrediction | None, error: Exception | None) -> None:
         with self._cond:
-            waiter.prediction, waiter.error = prediction, error
-            waiter.batch_size, waiter.elapsed_s = size, elapsed
-            waiter.done = True
+            waiter.answer, waiter.error, waiter.done = answer, error, True
