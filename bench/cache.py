@@ -35,21 +35,17 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import hashlib
-import pickle
-import secrets
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import redis
 import torch
 
 from bench.models import (
@@ -67,22 +63,18 @@ from bench.models import (
     text_forward,
     tokenize,
 )
+from bench.peers import CommonRecipe, CountingModel, GrCache, Ours, System, counting, md5_key, our_settings
 from engine.inputs import CanonicalImage, CanonicalText
 from engine.keys import digest_parts, raw_digest
-from engine.models.base import TOP_K, Prediction
 from engine.models.image import ImageClassifier
 from engine.models.text import TextClassifier
-from engine.runtime import build_runtime
-from engine.service import InferenceEngine
-from settings import Settings
 from storage.embedded_redis import EmbeddedRedis, find_redis_server, free_port
 
-RECIPE_TTL_S = 3600
-RECIPE_LRU_SIZE = 128
 RECIPE_REDIS_DB = 1
 TASKS = ("image", "text")
 TIERS = ("l1", "l2", "miss")
 TIER_NAMES = {"l1": "L1 hit", "l2": "L2 hit", "miss": "miss"}
+RECIPE, GRADIO = "common recipe", "gr.cache"  # the peers' names in the tables
 
 
 @dataclass(frozen=True)
@@ -94,156 +86,7 @@ class Profile:
 
 FULL = Profile(key_repeats=50, hits=1000, misses=40)
 QUICK = Profile(key_repeats=8, hits=150, misses=8)
-
-
-@dataclass(frozen=True)
-class Models:
-    image: ImageClassifier
-    text: TextClassifier
-
-
-# ---- the three systems ----------------------------------------------------------
-
-
-class System(Protocol):
-    name: str
-    has_l2: bool
-
-    def classify(self, task: str, raw: Any) -> tuple[Prediction, str]:
-        """Answer one request; returns the prediction and the tier that answered it."""
-
-    def drop_l1(self) -> None:
-        """Forget the in-process tier (what a fresh replica sharing the L2 would have)."""
-
-    def drop_all(self) -> None:
-        """Forget every tier, so the next request is a miss."""
-
-
-class Ours:
-    name = "ours"
-    has_l2 = True
-
-    def __init__(self, engine: InferenceEngine) -> None:
-        self._engine = engine
-
-    def classify(self, task: str, raw: Any) -> tuple[Prediction, str]:
-        result = self._engine.classify(task, raw)
-        return result.prediction, result.tier
-
-    def drop_l1(self) -> None:
-        self._engine.flush("l1")
-
-    def drop_all(self) -> None:
-        flushed = self._engine.flush("all")
-        if flushed.l2_error:
-            raise RuntimeError(f"could not flush L2: {flushed.l2_error}")
-
-
-def _md5_key(tensor: torch.Tensor) -> str:
-    """The common recipe's key: md5 of the model input tensor's bytes."""
-    return hashlib.md5(tensor.cpu().numpy().tobytes()).hexdigest()
-
-
-def image_top5(model: ImageClassifier, tensor: torch.Tensor) -> Prediction:
-    """What `predict_batch` answers, from an already transformed image."""
-    probs = torch.softmax(image_forward(model, tensor.unsqueeze(0)).float(), dim=1)
-    top = torch.topk(probs, TOP_K, dim=1)
-    pairs = zip(top.indices[0].tolist(), top.values[0].tolist(), strict=True)
-    return Prediction(tuple((model.categories[i], float(s)) for i, s in pairs))
-
-
-class CommonRecipe:
-    """preprocess -> md5(tensor bytes) -> lru_cache(128) -> Redis (pickle, 1 h) -> model."""
-
-    name = "common recipe"
-    has_l2 = True
-
-    def __init__(self, models: Models, client: redis.Redis) -> None:
-        self._models = models
-        self._redis = client
-        self._pending: dict[str, tuple[str, Any]] = {}  # key -> what the model needs on a miss
-        self._tier = "l1"
-        self._cached = functools.lru_cache(maxsize=RECIPE_LRU_SIZE)(self._l2_or_model)
-
-    def key_image(self, raw: bytes) -> tuple[str, torch.Tensor]:
-        tensor = self._models.image.preprocess(self._models.image.canonicalize(raw))
-        return _md5_key(tensor), tensor
-
-    def key_text(self, raw: str) -> tuple[str, CanonicalText]:
-        canonical = self._models.text.canonicalize(raw)
-        return _md5_key(tokenize(self._models.text, [canonical.text])["input_ids"]), canonical
-
-    def classify(self, task: str, raw: Any) -> tuple[Prediction, str]:
-        key, model_input = self.key_image(raw) if task == "image" else self.key_text(raw)
-        key = f"{task}:{key}"
-        self._pending[key] = (task, model_input)
-        self._tier = "l1"  # unless lru_cache calls through
-        try:
-            return self._cached(key), self._tier
-        finally:
-            self._pending.pop(key, None)
-
-    def _l2_or_model(self, key: str) -> Prediction:
-        blob = self._redis.get(key)
-        if blob is not None:
-            self._tier = "l2"
-            return pickle.loads(blob)
-        self._tier = "miss"
-        task, model_input = self._pending[key]
-        if task == "image":
-            prediction = image_top5(self._models.image, model_input)
-        else:
-            prediction = self._models.text.predict_batch([model_input])[0]
-        self._redis.set(key, pickle.dumps(prediction), ex=RECIPE_TTL_S)
-        return prediction
-
-    def drop_l1(self) -> None:
-        self._cached.cache_clear()
-
-    def drop_all(self) -> None:
-        self._cached.cache_clear()
-        self._redis.flushdb()  # DB 1 of the server this script started: only this peer's keys
-
-
-class GradioCache:
-    """`gr.cache` around classify functions that take what Gradio's components hand them."""
-
-    name = "gr.cache"
-    has_l2 = False
-
-    def __init__(self, models: Models, *, max_memory: int) -> None:
-        import gradio as gr
-
-        self._models = models
-        self.calls = 0
-
-        def classify_image(image: np.ndarray) -> Prediction:
-            self.calls += 1
-            return models.image.predict_batch([CanonicalImage(image)])[0]
-
-        def classify_text(text: str) -> Prediction:
-            self.calls += 1
-            return models.text.predict_batch([models.text.canonicalize(text)])[0]
-
-        self._image = gr.cache(classify_image, max_size=0, max_memory=max_memory)
-        self._text = gr.cache(classify_text, max_size=0, max_memory=max_memory)
-
-    def decoded(self, task: str, raw: Any) -> Any:
-        """What the Gradio component gives the callback: decoded pixels, or the str as typed."""
-        return self._models.image.canonicalize(raw).pixels if task == "image" else raw
-
-    def classify(self, task: str, raw: Any) -> tuple[Prediction, str]:
-        calls = self.calls
-        wrapper = self._image if task == "image" else self._text
-        prediction = wrapper(self.decoded(task, raw))
-        return prediction, "miss" if self.calls > calls else "l1"
-
-    def drop_l1(self) -> None:
-        raise NotImplementedError("gr.cache has a single tier")
-
-    def drop_all(self) -> None:
-        self._image.cache.clear()
-        self._text.cache.clear()
+Models = Mapping[str, CountingModel]
 
 
 # ---- statistics ------------------------------------------------------------------
@@ -319,7 +162,7 @@ def _decoded_then(model: ImageClassifier, raw: bytes, key: Callable[[CanonicalIm
 
 
 def image_key_times(models: Models, recipe: CommonRecipe, photos: Sequence[bytes], repeats: int) -> KeyTimes:
-    model = models.image
+    model = models["image"]
     canonicals = [model.canonicalize(raw) for raw in photos]
     tensors = [model.preprocess(c) for c in canonicals]
     batch = image_batch(model, canonicals[:1])
@@ -329,7 +172,7 @@ def image_key_times(models: Models, recipe: CommonRecipe, photos: Sequence[bytes
             "raw": [functools.partial(raw_digest, raw) for raw in photos],
             "xxh3": [functools.partial(_xxh3_key, c) for c in canonicals],
             "xxh3 from input": [functools.partial(_decoded_then, model, raw, _xxh3_key) for raw in photos],
-            "md5": [functools.partial(_md5_key, t) for t in tensors],
+            "md5": [functools.partial(md5_key, t) for t in tensors],
             "md5 from input": [functools.partial(recipe.key_image, raw) for raw in photos],
             "gradio": [functools.partial(_gradio_key, image=c.pixels) for c in canonicals],
             "gradio from input": [functools.partial(gradio_from_pixels, model, raw) for raw in photos],
@@ -346,10 +189,8 @@ def image_key_times(models: Models, recipe: CommonRecipe, photos: Sequence[bytes
             "ours: canonical key, xxh3-128 of the pixels (first request)", m["xxh3"], m["xxh3 from input"]
         ),
         peers={
-            CommonRecipe.name: KeyTime(
-                "common recipe: md5 of the float tensor", m["md5"], m["md5 from input"]
-            ),
-            GradioCache.name: KeyTime(
+            RECIPE: KeyTime("common recipe: md5 of the float tensor", m["md5"], m["md5 from input"]),
+            GRADIO: KeyTime(
                 "gr.cache: sha256 of the pixels (cache_hash)", m["gradio"], m["gradio from input"]
             ),
         },
@@ -364,7 +205,7 @@ def _cleaned_then(model: TextClassifier, raw: str) -> str:
 
 
 def text_key_times(models: Models, recipe: CommonRecipe, messages: Sequence[str], repeats: int) -> KeyTimes:
-    model = models.text
+    model = models["text"]
     canonicals = [model.canonicalize(m) for m in messages]
     ids = [tokenize(model, [c.text])["input_ids"] for c in canonicals]
     encoded = tokenize(model, [canonicals[0].text])
@@ -373,7 +214,7 @@ def text_key_times(models: Models, recipe: CommonRecipe, messages: Sequence[str]
             "raw": [functools.partial(raw_digest, raw) for raw in messages],
             "xxh3": [functools.partial(_xxh3_key, c) for c in canonicals],
             "xxh3 from input": [functools.partial(_cleaned_then, model, raw) for raw in messages],
-            "md5": [functools.partial(_md5_key, t) for t in ids],
+            "md5": [functools.partial(md5_key, t) for t in ids],
             "md5 from input": [functools.partial(recipe.key_text, raw) for raw in messages],
             "gradio": [functools.partial(_gradio_key, text=raw) for raw in messages],
             "decode": [functools.partial(model.canonicalize, raw) for raw in messages],
@@ -390,8 +231,8 @@ def text_key_times(models: Models, recipe: CommonRecipe, messages: Sequence[str]
             m["xxh3 from input"],
         ),
         peers={
-            CommonRecipe.name: KeyTime("common recipe: md5 of the token ids", m["md5"], m["md5 from input"]),
-            GradioCache.name: KeyTime("gr.cache: sha256 of the str (cache_hash)", m["gradio"], m["gradio"]),
+            RECIPE: KeyTime("common recipe: md5 of the token ids", m["md5"], m["md5 from input"]),
+            GRADIO: KeyTime("gr.cache: sha256 of the str (cache_hash)", m["gradio"], m["gradio"]),
         },
         decode=m["decode"],
         transform=None,
@@ -530,29 +371,22 @@ def start_redis(stack: ExitStack, workdir: Path) -> EmbeddedRedis:
 
 def start_systems(
     stack: ExitStack, models: Models, server: EmbeddedRedis, workdir: Path, device: str
-) -> tuple[Ours, CommonRecipe, GradioCache]:
-    settings = replace(
-        Settings.from_env({}),
-        redis_url=server.url,
-        data_dir=workdir / "data",
-        device=device,
-        admin_token=secrets.token_urlsafe(24),  # else build_runtime logs a generated one
-    )
-    runtime = build_runtime(settings, models={"image": models.image, "text": models.text})
-    stack.callback(runtime.close)
+) -> tuple[Ours, CommonRecipe, GrCache]:
+    settings = our_settings(server.url, workdir / "data", device)
     recipe_url = f"{server.url.rsplit('/', 1)[0]}/{RECIPE_REDIS_DB}"
-    client = redis.Redis.from_url(recipe_url, socket_timeout=5)
-    stack.callback(client.close)
-    return (
-        Ours(runtime.engine),
-        CommonRecipe(models, client),
-        GradioCache(models, max_memory=settings.cache_l1_max_bytes),
+    systems = (
+        Ours(models, settings),
+        CommonRecipe(models, recipe_url, name=RECIPE),
+        GrCache(models, max_memory=settings.cache_l1_max_bytes, name=GRADIO),
     )
+    for system in systems:
+        stack.callback(system.close)
+    return systems
 
 
 def run(profile: Profile, device: str) -> None:
     image, text = load_real_models(device)
-    models = Models(image, text)
+    models = counting({"image": image, "text": text})
     photos = list(load_photos().values())
     inputs: dict[str, Sequence[Any]] = {"image": photos, "text": MESSAGES}
     with ExitStack() as stack:
@@ -578,7 +412,7 @@ def run(profile: Profile, device: str) -> None:
             print_tiers(task, systems, latencies[task])
             print(f"answers: {check_agreement(systems, task, inputs[task])}")
         print()
-        print_ratios(keys, latencies, [CommonRecipe.name, GradioCache.name])
+        print_ratios(keys, latencies, [RECIPE, GRADIO])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

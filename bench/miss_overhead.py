@@ -82,7 +82,7 @@ def stand_in_inputs(count: int) -> tuple[dict[str, Classifier], list[Job]]:
 
 def real_inputs(count: int) -> tuple[dict[str, Classifier], list[Job]]:
     from bench.models import load_real_models, set_threads
-    from bench.workload import make_images, make_messages
+    from bench.workload.inputs import make_images, make_messages
 
     set_threads(1)
     image, text = load_real_models("cpu")

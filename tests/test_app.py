@@ -13,6 +13,7 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
+from bench.gradio_http import GradioHttpClient, Reply, file_data
 from engine.runtime import Runtime
 from storage.embedded_redis import EmbeddedRedis
 from tests.conftest import CountingTextModel, free_port
@@ -122,27 +123,10 @@ def test_a_hit_does_not_wait_behind_queued_misses(serve) -> None:
     assert hit_latency < model_time, f"hit waited {hit_latency:.2f}s behind the queue"
 
 
-def call_raw(url: str, api_name: str, data: list) -> tuple[str, str]:
-    """One call through Gradio's HTTP API without gradio_client: (last SSE event, its data),
-    or ("http <status>", body) when the call is refused before it is queued."""
-    request = urllib.request.Request(
-        f"{url}/gradio_api/call/{api_name}",
-        data=json.dumps({"data": data}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            event_id = json.loads(response.read())["event_id"]
-    except urllib.error.HTTPError as error:
-        return f"http {error.code}", error.read().decode()
-    event, payload = "", ""
-    with urllib.request.urlopen(f"{url}/gradio_api/call/{api_name}/{event_id}", timeout=60) as stream:
-        for line in stream.read().decode().splitlines():
-            if line.startswith("event:"):
-                event = line.partition(":")[2].strip()
-            elif line.startswith("data:"):
-                payload = line.partition(":")[2].strip()
-    return event, payload
+def call_raw(url: str, api_name: str, data: list) -> Reply:
+    """One call through Gradio's HTTP API without gradio_client (no session, curl style)."""
+    with GradioHttpClient(url, timeout_s=60.0) as client:
+        return client.call(api_name, data)
 
 
 def test_a_request_cannot_name_a_server_file_as_its_upload(real_app, tmp_path: Path, photo_dir: Path) -> None:
@@ -161,11 +145,9 @@ def test_a_request_cannot_name_a_server_file_as_its_upload(real_app, tmp_path: P
     ]
     before = runtime.engine.counters()
     for path in forged:
-        event, payload = call_raw(
-            url, "classify_image", [{"path": str(path), "meta": {"_type": "gradio.FileData"}}]
-        )
-        assert event == "http 400", (path, event, payload)
-        assert "must be uploaded first" in payload and "Traceback" not in payload
+        reply = call_raw(url, "classify_image", [file_data(str(path))])
+        assert reply.status == 400, (path, reply)
+        assert "must be uploaded first" in reply.body and "Traceback" not in reply.body
     after = runtime.engine.counters()
     assert (
         after.model_calls == before.model_calls and after.invalid == before.invalid
@@ -193,5 +175,4 @@ def test_uploads_work_when_the_upload_folder_is_inside_the_data_folder(
     assert any((tmp_path / "rt0").rglob("*.png")), "the upload did not land in DATA_DIR"
     sqlite = runtime.settings.sqlite_path.resolve()
     assert sqlite.is_file()
-    event, _ = call_raw(url, "classify_image", [{"path": str(sqlite), "meta": {"_type": "gradio.FileData"}}])
-    assert event == "http 400"
+    assert call_raw(url, "classify_image", [file_data(str(sqlite))]).status == 400

@@ -1,4 +1,4 @@
-"""The fault-injection suite, short: every scenario of `bench/faults.py` with small sizes.
+"""The fault-injection suite, short: every scenario of `bench/faults/` with small sizes.
 
 Two app processes (`python app.py`) share a Redis the fixture starts; each scenario
 injects one fault under load and checks every answer against the models' own. A
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench import faults
+from bench.faults import config, harness, report, scenarios
 
 pytestmark = [pytest.mark.faults, pytest.mark.redis]
 
@@ -22,20 +22,20 @@ pytestmark = [pytest.mark.faults, pytest.mark.redis]
 @pytest.fixture(scope="module")
 def fleet(
     tmp_path_factory: pytest.TempPathFactory, redis_binary: str, real_models: dict[str, Any]
-) -> Iterator[faults.Context]:
+) -> Iterator[harness.Context]:
     work: Path = tmp_path_factory.mktemp("faults")
-    context = faults.build_context(faults.CI, work, models=real_models, log=print)
+    context = harness.build_context(config.CI, work, models=real_models, log=print)
     yield context
     context.close()
 
 
-@pytest.mark.parametrize("scenario", faults.SCENARIOS, ids=[s.name for s in faults.SCENARIOS])
-def test_scenario(fleet: faults.Context, scenario: faults.Scenario) -> None:
-    fleet.remaining = len(faults.SCENARIOS) - faults.SCENARIOS.index(scenario) - 1
-    result = faults.run_scenario(fleet, scenario)
-    report = faults.describe(result)
-    print(report)
-    assert result.error is None, report
-    assert result.failed == 0, report
-    assert result.wrong == 0, report
-    assert not result.checks_failed, report
+@pytest.mark.parametrize("scenario", scenarios.SCENARIOS, ids=[s.name for s in scenarios.SCENARIOS])
+def test_scenario(fleet: harness.Context, scenario: scenarios.Scenario) -> None:
+    fleet.remaining = len(scenarios.SCENARIOS) - scenarios.SCENARIOS.index(scenario) - 1
+    result = scenarios.run_scenario(fleet, scenario)
+    described = report.describe(result)
+    print(described)
+    assert result.error is None, described
+    assert result.failed == 0, described
+    assert result.wrong == 0, described
+    assert not result.checks_failed, described

@@ -1,4 +1,4 @@
-"""The workload benchmark's machinery on a handful of requests, so `bench/workload.py` cannot rot.
+"""The workload benchmark's machinery on a handful of requests, so `bench/workload/` cannot rot.
 
 Nothing here is timed: the figures of a run this small mean nothing. What is checked: the inputs
 are distinct and reproducible, every system answers exactly what the model answers on every
@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench import workload
+from bench import peers
+from bench.workload import cli, config, inprocess, inputs, processes, replay, report
 from engine.inputs import clean_text
 from storage.embedded_redis import EmbeddedRedis
 
@@ -31,53 +32,53 @@ def one_torch_thread() -> Iterator[None]:
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(workload.THREADS)
+    torch.set_num_threads(config.THREADS)
     yield
     torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
-def jobs() -> list[workload.Job]:
-    return workload.make_inputs(IMAGES, MESSAGES)
+def jobs() -> list[config.Job]:
+    return inputs.make_inputs(IMAGES, MESSAGES)
 
 
-def expected_answers(models: dict[str, Any], jobs: list[workload.Job]) -> list[workload.Labels]:
+def expected_answers(models: dict[str, Any], jobs: list[config.Job]) -> list[config.Labels]:
     """What the model itself says about every input, decoded the engine's way."""
     answers = []
     for task, raw in jobs:
         model = models[task]
-        answers.append(workload.labels_of(model.predict_batch([model.canonicalize(raw)])[0]))
+        answers.append(replay.labels_of(model.predict_batch([model.canonicalize(raw)])[0]))
     return answers
 
 
 def test_inputs_are_distinct_uploads_and_messages_and_reproducible(jobs, real_models) -> None:
     assert [task for task, _ in jobs] == ["image"] * IMAGES + ["text"] * MESSAGES
     images = [raw for task, raw in jobs if task == "image"]
-    assert workload.make_images(IMAGES) == images  # the same seed, the same bytes
-    assert any(raw.startswith(workload.PNG_MAGIC) for raw in images)
+    assert inputs.make_images(IMAGES) == images  # the same seed, the same bytes
+    assert any(raw.startswith(inputs.PNG_MAGIC) for raw in images)
     assert any(raw.startswith(b"\xff\xd8") for raw in images)  # JPEG
     pixels = {
         hashlib.sha256(real_models["image"].canonicalize(raw).pixels.tobytes()).digest() for raw in images
     }
     assert len(pixels) == IMAGES
 
-    messages = workload.make_messages(300)
+    messages = inputs.make_messages(300)
     assert messages[:MESSAGES] == [raw for task, raw in jobs if task == "text"]
     assert len({clean_text(m, max_chars=2000).text.lower() for m in messages}) == 300
 
 
 def test_streams_follow_their_workload() -> None:
-    zipf = workload.zipf_stream(1000, 5000)
+    zipf = inputs.zipf_stream(1000, 5000)
     assert len(zipf) == 5000 and zipf.min() >= 0 and zipf.max() < 1000
-    assert np.array_equal(zipf, workload.zipf_stream(1000, 5000))
+    assert np.array_equal(zipf, inputs.zipf_stream(1000, 5000))
     counts = np.bincount(zipf, minlength=1000)
     assert counts.max() > 0.1 * len(zipf)  # the hottest input: about 16% of a Zipf(1.1) stream
     assert len(np.unique(zipf)) < 1000
 
-    unique = workload.unique_stream(1000, 400)
+    unique = inputs.unique_stream(1000, 400)
     assert len(unique) == len(np.unique(unique)) == 400
-    streams = workload.make_streams(1000, 5000)
-    assert len(streams["unique"]) == workload.unique_requests(5000, 1000) == 1000
+    streams = inputs.make_streams(1000, 5000)
+    assert len(streams["unique"]) == inputs.unique_requests(5000, 1000) == 1000
 
 
 @pytest.mark.redis
@@ -86,16 +87,16 @@ def test_every_system_answers_like_the_model_on_every_input(
 ) -> None:
     expected = expected_answers(real_models, jobs)
     base_url = redis_server.url.rsplit("/", 1)[0]
-    for db, name in enumerate(workload.ALL_SYSTEMS):
-        models = workload.counting(real_models)
-        system = workload.build_system(
+    for db, name in enumerate(config.ALL_SYSTEMS):
+        models = peers.counting(real_models)
+        system = inprocess.build_system(
             name, models, redis_url=f"{base_url}/{db}", data_dir=tmp_path / name, device="cpu"
         )
         try:
             for attempt in ("cold", "warm", "after a restart"):
                 for index, (task, raw) in enumerate(jobs):
                     prediction, _ = system.classify(task, raw)
-                    assert workload.labels_of(prediction) == expected[index], (name, attempt, index)
+                    assert replay.labels_of(prediction) == expected[index], (name, attempt, index)
                 if attempt == "warm":
                     system.restart()
         finally:
@@ -111,16 +112,16 @@ def test_every_system_answers_like_the_model_on_every_input(
 def test_a_small_run_counts_right_and_ends_with_the_summary(
     jobs, real_models, redis_binary, tmp_path
 ) -> None:
-    config = workload.Config(
+    small = config.Config(
         requests=30, images=IMAGES, messages=MESSAGES, clients=4, segments=2, isolated=False, http=True
     )
-    run = workload.run_benchmark(config, models=real_models, log=lambda _: None, workdir=tmp_path)
-    streams = workload.make_streams(len(jobs), config.requests)
+    run = cli.run_benchmark(small, models=real_models, log=lambda _: None, workdir=tmp_path)
+    streams = inputs.make_streams(len(jobs), small.requests)
     expected = expected_answers(real_models, jobs)
 
     for name, stream in streams.items():
         by_system = run.results[name]
-        assert list(by_system) == list(workload.SYSTEMS)
+        assert list(by_system) == list(config.SYSTEMS)
         distinct = set(stream.tolist())
         for system, result in by_system.items():
             assert result.requests == len(stream), (name, system)
@@ -128,7 +129,7 @@ def test_a_small_run_counts_right_and_ends_with_the_summary(
             assert result.wall_s > 0 and result.throughput > 0
             assert set(result.answers) == distinct
             # Within the tolerance: concurrent text misses may share a batch (engine.batching).
-            assert all(workload.same_answer(result.answers[i], expected[i]) for i in distinct), (name, system)
+            assert all(replay.same_answer(result.answers[i], expected[i]) for i in distinct), (name, system)
             assert not result.disagreements
         assert by_system["nocache"].model_calls == len(stream)
         assert by_system["ours"].model_calls == len(distinct)  # L2 survives the restart; no duplicates
@@ -137,27 +138,27 @@ def test_a_small_run_counts_right_and_ends_with_the_summary(
     assert run.results["unique"]["ours"].hit_ratio == 0.0
     assert run.results["zipf-restart"]["ours"].restart_s is not None
 
-    assert run.http is not None and set(run.http) == set(workload.HTTP_SYSTEMS)
+    assert run.http is not None and set(run.http) == set(config.HTTP_SYSTEMS)
     zipf = streams["zipf-restart"]
     for system, result in run.http.items():
         assert result.requests == len(zipf)
-        assert all(workload.same_answer(result.answers[i], expected[i]) for i in set(zipf.tolist())), system
+        assert all(replay.same_answer(result.answers[i], expected[i]) for i in set(zipf.tolist())), system
     assert run.http["ours"].model_calls == len(set(zipf.tolist()))
     assert sum(run.http["ours"].tiers.values()) == len(zipf)
 
-    line = workload.summary_line(run.values)
-    values = workload.parse_summary(line)
-    assert set(values) == set(workload.SUMMARY_KEYS)
+    line = report.summary_line(run.values)
+    values = report.parse_summary(line)
+    assert set(values) == set(report.SUMMARY_KEYS)
     assert values["hit_ratio"] == pytest.approx(run.results["zipf-restart"]["ours"].hit_ratio, abs=1e-3)
     assert all(v > 0 for v in values.values() if v == v and v is not values["hit_ratio"])
     assert not any(" differ" in line for line in run.lines if line.startswith("answers"))
 
-    report, chart = tmp_path / "REPORT.md", tmp_path / "chart.html"
-    report.write_text(f"old table\n{workload.NOTES_MARKER}\nkept notes\n")
-    workload.write_report(run, report, "python -m bench.workload --test")
-    workload.write_chart(run, chart)
-    text = report.read_text()
-    assert "old table" not in text and text.endswith(f"{workload.NOTES_MARKER}\nkept notes\n")
+    written, chart = tmp_path / "REPORT.md", tmp_path / "chart.html"
+    written.write_text(f"old table\n{config.NOTES_MARKER}\nkept notes\n")
+    report.write_report(run, written, "python -m bench.workload --test")
+    report.write_chart(run, chart)
+    text = written.read_text()
+    assert "old table" not in text and text.endswith(f"{config.NOTES_MARKER}\nkept notes\n")
     assert line in text and "python -m bench.workload --test" in text
     assert "plotly" in chart.read_text()
 
@@ -171,9 +172,9 @@ def test_the_command_line_prints_the_summary_last(real_models, redis_binary, cap
         "--systems": "nocache,ours",
     }
     argv = [*(part for pair in small.items() for part in pair), "--no-inputs-cache"]
-    assert workload.main(argv, models=real_models) == 0
+    assert cli.main(argv, models=real_models) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    values = workload.parse_summary(last)
+    values = report.parse_summary(last)
     assert values["speedup_vs_nocache"] > 0 and np.isnan(values["speedup_vs_seed"])
 
 
@@ -182,22 +183,22 @@ def test_the_summary_line_is_strict() -> None:
         "SUMMARY speedup_vs_nocache=7.10 speedup_vs_grcache=1.50 speedup_vs_seed=1.30 "
         "unique_vs_nocache=0.97 hit_ratio=0.882"
     )
-    assert workload.parse_summary(good)["hit_ratio"] == 0.882
+    assert report.parse_summary(good)["hit_ratio"] == 0.882
     for bad in (good.replace("SUMMARY", "summary"), good + " extra=1", good.replace("=7.10", "=fast")):
         with pytest.raises(ValueError):
-            workload.parse_summary(bad)
+            report.parse_summary(bad)
 
 
 def test_attribution_systems_are_opt_in_and_get_their_ratio_rows() -> None:
-    def result(name: str, wall_s: float) -> workload.Result:
-        result = workload.Result(name, "unique")
-        result.add(workload.Segment(np.ones(10), wall_s, 0.1, Counter(miss=10), []))
+    def result(name: str, wall_s: float) -> replay.Result:
+        result = replay.Result(name, "unique")
+        result.add(replay.Segment(np.ones(10), wall_s, 0.1, Counter(miss=10), []))
         return result
 
-    assert not set(workload.ATTRIBUTION_SYSTEMS) & set(workload.SYSTEMS)
+    assert not set(config.ATTRIBUTION_SYSTEMS) & set(config.SYSTEMS)
     names = {"nocache": 1.0, "ours": 1.0, "ours-l1": 0.5, "ours-tcp": 4.0, "ours-nobatch": 5.0}
     names["nocache-twin"] = 2.0
-    table = workload.ratio_table({"unique": {name: result(name, wall) for name, wall in names.items()}})
+    table = report.ratio_table({"unique": {name: result(name, wall) for name, wall in names.items()}})
     rows = {line.split("  ")[0]: line for line in table.splitlines()}
     assert "0.50x" in rows["unique: ours / ours-l1"]
     assert "0.50x" in rows["unique: nocache-twin / nocache"]
@@ -211,13 +212,13 @@ def test_attribution_systems_are_opt_in_and_get_their_ratio_rows() -> None:
 def test_the_benchmarks_redis_is_like_the_apps_private_one(redis_binary, tmp_path, tcp) -> None:
     import redis
 
-    with workload.fresh_redis(tmp_path / "redis", tcp=tcp) as server:
+    with processes.fresh_redis(tmp_path / "redis", tcp=tcp) as server:
         assert server.url.startswith("redis://127.0.0.1:" if tcp else "unix://")
         client = redis.Redis.from_url(server.url, decode_responses=True)
         try:
-            config = client.config_get("*")
-            assert int(config["maxmemory"]) == workload.REDIS_MAXMEMORY_MB * 1024 * 1024
-            assert config["maxmemory-policy"] == "allkeys-lru"
-            assert (config["port"] != "0") == tcp and bool(config["unixsocket"]) != tcp
+            found = client.config_get("*")
+            assert int(found["maxmemory"]) == config.REDIS_MAXMEMORY_MB * 1024 * 1024
+            assert found["maxmemory-policy"] == "allkeys-lru"
+            assert (found["port"] != "0") == tcp and bool(found["unixsocket"]) != tcp
         finally:
             client.close()

@@ -1,0 +1,63 @@
+"""Every scenario by name, and running one of them."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.faults.harness import Context, Run, ScenarioResult
+from bench.faults.scenarios_fleet import app_killed, graceful_stop, single_flight, version_bump
+from bench.faults.scenarios_input import malformed_inputs
+from bench.faults.scenarios_ops import admin_bruteforce, log_locked
+from bench.faults.scenarios_redis import (
+    corrupt_values,
+    redis_connections_dropped,
+    redis_killed,
+    redis_noeviction,
+    redis_paused,
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    run: Callable[[Run], None]
+
+
+SCENARIOS = (
+    Scenario("redis_killed", "Redis killed (SIGKILL) under load, then restarted", redis_killed),
+    Scenario("redis_paused", "Redis paused (CLIENT PAUSE) longer than the socket timeout", redis_paused),
+    Scenario(
+        "redis_connections_dropped",
+        "Redis drops every client connection (CLIENT KILL)",
+        redis_connections_dropped,
+    ),
+    Scenario("redis_noeviction", "Redis at maxmemory with noeviction: writes refused", redis_noeviction),
+    Scenario("corrupt_values", "Corrupt and foreign-schema values under live keys", corrupt_values),
+    Scenario("single_flight", "200 concurrent requests for one new input", single_flight),
+    Scenario("version_bump", "Cache version bump while two processes serve", version_bump),
+    Scenario("log_locked", "SQLite request log locked by another writer", log_locked),
+    Scenario("malformed_inputs", "Malformed uploads and hostile texts", malformed_inputs),
+    Scenario("admin_bruteforce", "Admin API brute force", admin_bruteforce),
+    Scenario("app_killed", "App process killed (SIGKILL) under load, then restarted", app_killed),
+    Scenario("graceful_stop", "App stopped (SIGTERM) with a browser connected", graceful_stop),
+)
+
+
+def run_scenario(ctx: Context, scenario: Scenario) -> ScenarioResult:
+    run = Run(ctx, scenario.name, scenario.title)
+    started = time.monotonic()
+    try:
+        ctx.reset()
+        scenario.run(run)
+    except Exception as exc:  # a crash of the scenario itself: reported, and the suite goes on
+        where = traceback.extract_tb(exc.__traceback__)[-3:]
+        trail = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(where))
+        run.result.error = f"{type(exc).__name__}: {exc} (at {trail})"[:2000]
+    result = run.finish()
+    result.duration_s = time.monotonic() - started
+    return result

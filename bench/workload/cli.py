@@ -1,0 +1,226 @@
+"""A whole run, and the command line: `python -m bench.workload [--quick] [--http] ...`."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import bench.workload
+from bench.models import host_load, set_threads
+from bench.workload.config import (
+    ALL_SYSTEMS,
+    ATTRIBUTION_SYSTEMS,
+    CHART_PATH,
+    CLIENTS,
+    FULL_REQUESTS,
+    IMAGES,
+    MESSAGES,
+    QUICK_REQUESTS,
+    REPORT_PATH,
+    SEED,
+    SEGMENTS,
+    SYSTEMS,
+    THREADS,
+    WORKLOADS,
+    Config,
+)
+from bench.workload.inprocess import run_workload
+from bench.workload.inputs import cached_inputs, make_streams
+from bench.workload.over_http import run_http
+from bench.workload.processes import load_models
+from bench.workload.replay import Result
+from bench.workload.report import Run, report_lines, summary_line, summary_values, write_chart, write_report
+
+
+def run_benchmark(
+    config: Config,
+    *,
+    models: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+    workdir: Path | None = None,
+) -> Run:
+    started_at, started = datetime.now(UTC), time.perf_counter()
+    progress: list[str] = []
+    outer_log = log
+
+    def log(message: str) -> None:
+        progress.append(message)
+        outer_log(message)
+
+    with ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-workload-")))
+        t0 = time.perf_counter()
+        jobs, origin = cached_inputs(config.images, config.messages, config.seed, config.inputs_cache)
+        inputs_path = workdir / "inputs.pickle"
+        inputs_path.write_bytes(pickle.dumps(jobs, protocol=pickle.HIGHEST_PROTOCOL))
+        streams = make_streams(len(jobs), config.requests, config.zipf_s, config.seed)
+        image_kib = sum(len(raw) for task, raw in jobs if task == "image") / max(config.images, 1) / 1024
+        log(
+            f"inputs: {config.images:,} images (mean {image_kib:.0f} KiB, PNG and JPEG), {config.messages:,} "
+            f"messages, {origin} in {time.perf_counter() - t0:.1f} s | seed {config.seed}"
+        )
+        for name, stream in streams.items():
+            distinct = len(set(stream.tolist()))
+            log(f"{name}: {len(stream):,} requests over {distinct:,} distinct inputs")
+        results: dict[str, dict[str, Result]] = {}
+        for workload in config.workloads:
+            results[workload] = run_workload(
+                workload, streams[workload], config, workdir, inputs_path, models=models, jobs=jobs, log=log
+            )
+        http = None
+        if config.http:
+            http = run_http(streams["zipf-restart"], jobs, config, workdir, models=models, log=log)
+    values = summary_values(results)
+    device = "cpu"
+    if models is not None:
+        device = str(getattr(models["image"], "device", "cpu"))
+    elif config.device != "auto":
+        device = config.device
+    else:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    lines = report_lines(config, results, http, values, device)
+    return Run(
+        config, results, http, values, lines, progress, started_at, time.perf_counter() - started, device
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.workload", description=bench.workload.__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_REQUESTS:,} requests instead of {FULL_REQUESTS:,}"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=None, help="zipf-restart requests (overrides --quick)"
+    )
+    parser.add_argument("--http", action="store_true", help="also run the Zipf stream through the Gradio API")
+    parser.add_argument(
+        "--http-no-session",
+        action="store_true",
+        help="HTTP clients send no session hash (curl style): Gradio builds a new session per request",
+    )
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated subset of {','.join(SYSTEMS)}; opt-in: {','.join(ATTRIBUTION_SYSTEMS)}"
+        " (ours without Redis; a second nocache, the noise floor)",
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    parser.add_argument("--images", type=int, default=IMAGES)
+    parser.add_argument("--messages", type=int, default=MESSAGES)
+    parser.add_argument("--clients", type=int, default=CLIENTS)
+    parser.add_argument("--segments", type=int, default=SEGMENTS, help="turns per system (interleaving)")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument(
+        "--inputs-cache",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="folder that keeps the generated inputs between runs (default: the temp folder)",
+    )
+    parser.add_argument("--no-inputs-cache", action="store_true", help="make the inputs afresh, keep nothing")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=THREADS,
+        help=f"torch intra-op threads per serving process (default {THREADS}: clients run forwards at once)",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="all systems in this process, sharing one copy of the models (no RSS figures)",
+    )
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help=f"write the report here (default run: {REPORT_PATH.name}; --quick: nowhere)",
+    )
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        default=None,
+        help=f"write the plotly chart here (default run: {CHART_PATH.name}; --quick: nowhere)",
+    )
+    args = parser.parse_args(argv)
+    args.systems = tuple(s for s in ALL_SYSTEMS if s in args.systems.split(","))
+    args.workloads = tuple(w for w in WORKLOADS if w in args.workloads.split(","))
+    if not args.systems or not args.workloads:
+        parser.error(
+            f"--systems takes some of {','.join(ALL_SYSTEMS)}; --workloads some of {','.join(WORKLOADS)}"
+        )
+    if min(args.images, args.messages, args.clients, args.segments) < 1 or (
+        args.threads is not None and args.threads < 1
+    ):
+        parser.error("--images, --messages, --clients, --segments and --threads must be >= 1")
+    if args.requests is not None and args.requests < 2:
+        parser.error("--requests must be >= 2")
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    requests = args.requests or (QUICK_REQUESTS if args.quick else FULL_REQUESTS)
+    return Config(
+        requests=requests,
+        images=args.images,
+        messages=args.messages,
+        clients=args.clients,
+        seed=args.seed,
+        segments=args.segments,
+        systems=args.systems,
+        workloads=args.workloads,
+        device=args.device,
+        threads=args.threads,
+        isolated=not args.in_process,
+        http=args.http or args.http_no_session,
+        http_sessions=not args.http_no_session,
+        inputs_cache=None if args.no_inputs_cache else args.inputs_cache,
+    )
+
+
+def main(argv: Sequence[str] | None = None, *, models: Mapping[str, Any] | None = None) -> int:
+    from storage.embedded_redis import find_redis_server
+
+    args = parse_args(argv)
+    if find_redis_server() is None:
+        print("redis-server is not installed: `apt-get install -y redis-server`.", file=sys.stderr)
+        return 2
+    config = config_from_args(args)
+    if models is not None:
+        config = replace(config, isolated=False)
+    elif not config.isolated:
+        set_threads(config.threads)
+        models = load_models(config.device)
+    command = "python -m bench.workload" + "".join(
+        f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv)
+    )
+    print(f"{command} | {host_load()}")
+    run = run_benchmark(config, models=models)
+    print()
+    print("\n".join(run.lines))
+    is_default = not args.quick and args.requests is None
+    report = args.report or (REPORT_PATH if is_default else None)
+    chart = args.chart or (CHART_PATH if is_default else None)
+    if report is not None:
+        write_report(run, report, command)
+        print(f"report: {report}")
+    if chart is not None:
+        write_chart(run, chart)
+        print(f"chart: {chart}")
+    ok = not any(line.startswith("answers") and " differ" in line for line in run.lines)
+    print(summary_line(run.values))
+    return 0 if ok else 1

@@ -1,0 +1,351 @@
+"""The figures of a run: tables, ratios, answer checks, the SUMMARY line, REPORT.md and the chart."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from bench.models import SCORE_TOLERANCE, fmt_ms, format_table
+from bench.workload.config import ALL_SYSTEMS, NOTES_MARKER, PEERS, REDIS_OVER_TCP, TARGETS, Config
+from bench.workload.inputs import unique_requests
+from bench.workload.replay import Result, same_answer
+
+SUMMARY_KEYS = (*TARGETS, "hit_ratio")
+SUMMARY_PATTERN = re.compile(
+    r"^SUMMARY " + " ".join(rf"{key}=(?P<{key}>[0-9.]+|nan)" for key in SUMMARY_KEYS) + "$"
+)
+
+
+@dataclass
+class Run:
+    config: Config
+    results: dict[str, dict[str, Result]]
+    http: dict[str, Result] | None
+    values: dict[str, float]
+    lines: list[str]  # the printed report, without the summary line
+    progress: list[str]  # what was logged during the run (load averages at each workload's start and end)
+    started: datetime
+    elapsed_s: float
+    device: str
+
+
+def ratio(ours: Result | None, peer: Result | None) -> float:
+    if ours is None or peer is None or not peer.throughput or math.isnan(peer.throughput):
+        return float("nan")
+    return ours.throughput / peer.throughput
+
+
+def summary_values(results: Mapping[str, Mapping[str, Result]]) -> dict[str, float]:
+    zipf, unique = results.get("zipf-restart", {}), results.get("unique", {})
+    ours = zipf.get("ours")
+    return {
+        "speedup_vs_nocache": ratio(ours, zipf.get("nocache")),
+        "speedup_vs_grcache": ratio(ours, zipf.get("grcache")),
+        "speedup_vs_seed": ratio(ours, zipf.get("seed")),
+        "unique_vs_nocache": ratio(unique.get("ours"), unique.get("nocache")),
+        "hit_ratio": ours.hit_ratio if ours is not None else float("nan"),
+    }
+
+
+def summary_line(values: Mapping[str, float]) -> str:
+    def cell(key: str) -> str:
+        value = values[key]
+        return "nan" if math.isnan(value) else f"{value:.3f}" if key == "hit_ratio" else f"{value:.2f}"
+
+    return "SUMMARY " + " ".join(f"{key}={cell(key)}" for key in SUMMARY_KEYS)
+
+
+def parse_summary(line: str) -> dict[str, float]:
+    found = SUMMARY_PATTERN.match(line.strip())
+    if found is None:
+        raise ValueError(f"not a summary line: {line!r}")
+    return {key: float(found.group(key)) for key in SUMMARY_KEYS}
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
+
+
+def results_table(results: Mapping[str, Result]) -> str:
+    rows = []
+    for r in results.values():
+        growth = (
+            None if r.rss_peak_mib is None or r.rss_start_mib is None else r.rss_peak_mib - r.rss_start_mib
+        )
+        rows.append(
+            [
+                r.system,
+                f"{r.requests:,}",
+                f"{r.wall_s:.1f}",
+                f"{r.throughput:.1f}",
+                fmt_ms(r.percentile(50)),
+                fmt_ms(r.percentile(95)),
+                fmt_ms(r.percentile(99)),
+                f"{r.hit_ratio:.3f}",
+                f"{r.model_calls:,}",
+                "-" if math.isnan(r.cpu_s) else f"{1000 * r.cpu_s / max(r.requests, 1):.2f}",
+                _mib(r.rss_peak_mib),
+                _mib(growth),
+                "-" if r.redis_mib is None else f"{r.redis_mib:.1f}",
+                "-" if r.restart_s is None else f"{r.restart_s:.2f}",
+            ]
+        )
+    headers = [
+        "system",
+        "requests",
+        "wall s",
+        "req/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "hit ratio",
+        "model calls",
+        "CPU ms/req",
+        "peak RSS MiB",
+        "RSS growth MiB",
+        "Redis MiB",
+        "restart s",
+    ]
+    return format_table(headers, rows)
+
+
+def ratio_table(results: Mapping[str, Mapping[str, Result]]) -> str:
+    rows = []
+    pairs = [("ours", peer) for peer in PEERS] + [
+        ("ours", "ours-l1"),
+        ("ours-tcp", "ours"),
+        ("ours-nobatch", "ours"),
+        ("nocache-twin", "nocache"),
+    ]
+    for workload, by_system in results.items():
+        for name, peer in pairs:
+            subject, other = by_system.get(name), by_system.get(peer)
+            if subject is None or other is None:
+                continue
+            rows.append(
+                [
+                    f"{workload}: {name} / {peer}",
+                    f"{ratio(subject, other):.2f}x",
+                    _times(other.percentile(50), subject.percentile(50)),
+                    _times(other.percentile(99), subject.percentile(99)),
+                    _times(other.cpu_s / max(other.requests, 1), subject.cpu_s / max(subject.requests, 1)),
+                    f"{other.model_calls / max(subject.model_calls, 1):.2f}x",
+                ]
+            )
+    headers = [
+        "",
+        "throughput",
+        "p50 (peer/ours)",
+        "p99 (peer/ours)",
+        "CPU/req (peer/ours)",
+        "model calls (peer/ours)",
+    ]
+    return format_table(headers, rows)
+
+
+def _times(peer: float, ours: float) -> str:
+    return "n/a" if not ours or math.isnan(ours) or math.isnan(peer) else f"{peer / ours:.2f}x"
+
+
+def tier_line(result: Result) -> str:
+    parts = [f"{tier} {result.tiers.get(tier, 0):,}" for tier in ("l1", "l2", "coalesced", "miss")]
+    errors = "" if result.l2_errors is None else f"; Redis calls failed or timed out: {result.l2_errors:,}"
+    return f"{result.workload}, ours by tier: " + ", ".join(parts) + errors
+
+
+def check_answers(results: Mapping[str, Result], reference: str = "nocache") -> list[str]:
+    """Every system's answer on every input it saw, against the reference system's (the model's)."""
+    lines = []
+    base = results.get(reference)
+    if base is None:
+        return [f"answers: no {reference} run to compare with"]
+    for name, result in results.items():
+        problems = list(result.disagreements)
+        identical = 0
+        for index, labels in result.answers.items():
+            expected = base.answers.get(index)
+            if expected is None:
+                continue
+            if labels == expected:
+                identical += 1
+            elif not same_answer(labels, expected):
+                problems.append(f"input {index}: {labels} but {reference} says {expected}")
+        compared = sum(1 for index in result.answers if index in base.answers)
+        if name == reference:
+            continue
+        note = (
+            f"{identical:,} of {compared:,} identical, the rest within {SCORE_TOLERANCE:g}"
+            if identical < compared
+            else f"all {compared:,} identical"
+        )
+        lines.append(
+            f"answers {result.workload}, {name} vs {reference}: "
+            + (f"{len(problems)} differ, e.g. {problems[0]}" if problems else note)
+        )
+    return lines
+
+
+def target_lines(values: Mapping[str, float]) -> list[str]:
+    lines = []
+    for key, minimum in TARGETS.items():
+        value = values[key]
+        verdict = "n/a" if math.isnan(value) else "met" if value >= minimum else "SHORT"
+        lines.append(f"target {key} >= {minimum:g}: {value:.2f} ({verdict})")
+    return lines
+
+
+def machine_lines() -> list[str]:
+    import gradio
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            found = re.search(r"model name\s*:\s*(.+)", info.read())
+            cpu = found.group(1).strip() if found else cpu
+    except OSError:
+        pass
+    return [
+        f"CPU: {cpu}, {os.cpu_count()} logical CPUs; memory {psutil.virtual_memory().total / 2**30:.0f} GiB",
+        f"OS: {platform.platform()}; Python {platform.python_version()}",
+        f"torch {torch.__version__} (its default: {torch.get_num_threads()} intra-op threads), "
+        f"gradio {gradio.__version__}",
+    ]
+
+
+def report_lines(
+    config: Config,
+    results: Mapping[str, Mapping[str, Result]],
+    http: Mapping[str, Result] | None,
+    values: Mapping[str, float],
+    device: str,
+) -> list[str]:
+    tcp_note = " (ours-tcp: loopback TCP)" if REDIS_OVER_TCP & set(config.systems) else ""
+    lines = [
+        f"device: {device} | {config.clients} concurrent clients | Zipf s={config.zipf_s} | torch threads "
+        f"{config.threads or 'default'} | "
+        f"{'each system in its own process' if config.isolated else 'all systems in one process (RSS n/a)'}"
+        f" | Redis on unix sockets{tcp_note}",
+    ]
+    for workload, by_system in results.items():
+        lines += ["", f"{workload}:", results_table(by_system)]
+        if "ours" in by_system:
+            lines.append(tier_line(by_system["ours"]))
+    if http:
+        lines += [
+            "",
+            "zipf-restart through the Gradio API (CPU: the server process and its Redis; restart: new "
+            "processes, models loaded again):",
+            results_table(http),
+        ]
+        if "ours" in http:
+            lines.append(tier_line(http["ours"]))
+    ratio_input: dict[str, Mapping[str, Result]] = dict(results)
+    if http:
+        ratio_input["zipf-restart (HTTP)"] = http
+    lines += ["", ratio_table(ratio_input), ""]
+    for by_system in results.values():
+        lines += check_answers(by_system)
+    if http and {"ours", "grcache"} <= set(http):
+        lines += check_answers(http, reference="grcache")
+    lines += ["", *target_lines(values)]
+    return lines
+
+
+def write_chart(run: Run, path: Path) -> None:
+    """Latency CDF per system (one panel per workload, and HTTP) and throughput bars."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    panels: list[tuple[str, Mapping[str, Result]]] = list(run.results.items())
+    if run.http:
+        panels.append(("zipf-restart over HTTP", run.http))
+    titles = [f"latency CDF: {name}" for name, _ in panels] + ["throughput (requests/s)"]
+    fig = make_subplots(rows=1, cols=len(panels) + 1, subplot_titles=titles)
+    colours = {"nocache": "#7f7f7f", "seed": "#ff7f0e", "grcache": "#1f77b4", "ours": "#2ca02c",
+               "ours-l1": "#98df8a", "ours-tcp": "#ff9896", "ours-nobatch": "#c5b0d5",
+               "nocache-twin": "#c7c7c7"}  # fmt: skip
+    for col, (_, by_system) in enumerate(panels, start=1):
+        for name, result in by_system.items():
+            ordered = np.sort(result.latencies_ms)
+            if not len(ordered):
+                continue
+            picks = np.unique(np.linspace(0, len(ordered) - 1, num=min(len(ordered), 400)).astype(int))
+            fig.add_trace(
+                go.Scatter(
+                    x=ordered[picks],
+                    y=(picks + 1) / len(ordered),
+                    mode="lines",
+                    name=name,
+                    line={"color": colours.get(name)},
+                    legendgroup=name,
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_xaxes(type="log", title_text="ms (log)", row=1, col=col)
+        fig.update_yaxes(title_text="share of requests", range=[0, 1], row=1, col=col)
+    bar_col = len(panels) + 1
+    for name in ALL_SYSTEMS:
+        xs = [label for label, by_system in panels if name in by_system]
+        ys = [by_system[name].throughput for _, by_system in panels if name in by_system]
+        fig.add_trace(
+            go.Bar(x=xs, y=ys, name=name, marker_color=colours.get(name), legendgroup=name, showlegend=False),
+            row=1,
+            col=bar_col,
+        )
+    fig.update_yaxes(type="log", title_text="req/s (log)", row=1, col=bar_col)
+    fig.update_layout(
+        title=f"bench.workload, {run.started:%Y-%m-%d}: {summary_line(run.values)}",
+        barmode="group",
+        height=520,
+        width=560 * (len(panels) + 1),
+    )
+    path.write_text(fig.to_html(include_plotlyjs="cdn", full_html=True), encoding="utf-8")
+
+
+def write_report(run: Run, path: Path, command: str) -> None:
+    kept = ""
+    if path.exists():
+        old = path.read_text(encoding="utf-8")
+        if NOTES_MARKER in old:
+            kept = old[old.index(NOTES_MARKER) :]
+    config = run.config
+    unique = unique_requests(config.requests, config.images + config.messages)
+    body = [
+        "# Workload benchmark report",
+        "",
+        "Written by `bench/workload/` (the table below is the output of the run; the notes at the end",
+        "are kept when the report is rewritten).",
+        "",
+        f"- command: `{command}`",
+        f"- date: {run.started:%Y-%m-%d %H:%M} UTC; the run took {run.elapsed_s / 60:.1f} minutes",
+        *(f"- {line}" for line in machine_lines()),
+        f"- requests: {config.requests:,} (zipf-restart), {unique:,} (unique); inputs {config.images:,} "
+        f"images + {config.messages:,} messages; seed {config.seed}; {config.segments} segments; "
+        f"torch intra-op threads per process: {config.threads or 'torch default'}",
+        "",
+        "```",
+        *run.lines,
+        summary_line(run.values),
+        "```",
+        "",
+        "Progress log of the run (the load average counts every runnable process on the machine, "
+        "this run's included):",
+        "",
+        "```",
+        *run.progress,
+        "```",
+        "",
+    ]
+    path.write_text("\n".join(body) + (("\n" + kept) if kept else ""), encoding="utf-8")
