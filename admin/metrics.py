@@ -65,17 +65,17 @@ class Metrics:
 
     def __init__(self, engine: InferenceEngine, writer: RequestLogWriter | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._requests = Counter("infcache_requests", "Requests by task, tier and status",
-                                 ["task", "tier", "status"], registry=self.registry)  # fmt: skip
+        self._requests = Counter("infcache_requests", "Requests by task, tier, status and route",
+                                 ["task", "tier", "status", "route"], registry=self.registry)  # fmt: skip
         self._latency = Histogram("infcache_request_latency_seconds", "Engine latency by tier",
                                   ["tier"], buckets=LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
         self.registry.register(_CacheStateCollector(engine, writer))
-        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
     def observe(self, record: RequestRecord) -> None:
         """Runs on every request: label children are looked up once and kept."""
         tier = record.tier or "none"
-        key = (record.task, tier, record.status)
+        key = (record.task, tier, record.status, record.route)
         children = self._children.get(key)
         if children is None:
             children = (self._requests.labels(*key), self._latency.labels(tier))

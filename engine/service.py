@@ -36,7 +36,6 @@ from storage.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
-TIERS = ("l1", "l2", "miss", "coalesced")
 # How long an L2 write may wait for another request's round trip (see engine.write_batch).
 L2_WRITE_DELAY_S = 0.05
 
@@ -92,6 +91,7 @@ class RequestRecord(NamedTuple):
     generation: int
     top_label: str | None
     model_ms: float | None = None
+    route: str = "gradio"  # which front door the request came through: gradio | rest
 
 
 @dataclass
@@ -182,9 +182,12 @@ class InferenceEngine:
     def add_listener(self, listener: RequestListener) -> None:
         self._listeners.append(listener)
 
-    def classify(self, task: str, raw: Any, *, probe: bool = False) -> ClassifyResult:
+    def classify(
+        self, task: str, raw: Any, *, probe: bool = False, route: str = "gradio"
+    ) -> ClassifyResult:
         """Answer one request. Raises InvalidInputError (user's fault), ModelError,
-        or ProbeMiss (probe mode only, when the answer is not cached)."""
+        or ProbeMiss (probe mode only, when the answer is not cached). `route` names
+        the front door (gradio, rest) in the request log and metrics."""
         started = time.perf_counter()
         model = self._models.get(task)
         if model is None:
@@ -199,13 +202,14 @@ class InferenceEngine:
         except InvalidInputError as exc:
             # A probe's failure is not an answer: the queued retry logs and counts it.
             if not probe:
-                self._emit(task, model, generation, started, status="invalid", error=exc.code)
+                self._emit(task, model, generation, started, status="invalid", error=exc.code, route=route)
             raise
         except Exception as exc:
             if probe:
                 raise
             self._count("errors")
-            self._emit(task, model, generation, started, status="error", error=type(exc).__name__)
+            self._emit(task, model, generation, started, status="error", error=type(exc).__name__,
+                       route=route)  # fmt: skip
             if isinstance(exc, ModelError):
                 raise
             log.exception("unexpected failure classifying %s input", task)
@@ -214,7 +218,7 @@ class InferenceEngine:
             due = self._writes.leave()
             if due:
                 self._send_writes(due, budget)
-        self._emit_result(task, result)
+        self._emit_result(task, result, route)
         return result
 
     def close(self) -> None:
@@ -484,14 +488,14 @@ class InferenceEngine:
         with self._counter_lock:
             setattr(self._counters, name, getattr(self._counters, name) + n)
 
-    def _emit_result(self, task: str, result: ClassifyResult) -> None:
+    def _emit_result(self, task: str, result: ClassifyResult, route: str) -> None:
         if not self._listeners:
             return
         record = RequestRecord(
             at=self._clock(), task=task, tier=result.tier, latency_ms=result.latency_ms,
             status="ok", error_code=None, key_digest=result.key.rsplit(":", 1)[-1][:16],
             model_version=result.model_version, generation=result.generation,
-            top_label=result.prediction.top_label, model_ms=result.model_ms,
+            top_label=result.prediction.top_label, model_ms=result.model_ms, route=route,
         )  # fmt: skip
         self._notify(record)
 
@@ -504,6 +508,7 @@ class InferenceEngine:
         *,
         status: str,
         error: str,
+        route: str,
     ) -> None:
         if status == "invalid":
             self._count("invalid")
@@ -513,6 +518,7 @@ class InferenceEngine:
             at=self._clock(), task=task, tier=None,
             latency_ms=(time.perf_counter() - started) * 1000.0, status=status, error_code=error,
             key_digest=None, model_version=model.version, generation=generation, top_label=None,
+            route=route,
         )  # fmt: skip
         self._notify(record)
 

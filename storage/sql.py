@@ -53,6 +53,7 @@ class RequestRow(Base):
     generation: Mapped[int] = mapped_column(Integer, nullable=False)
     top_label: Mapped[str | None] = mapped_column(String(128))
     model_ms: Mapped[float | None] = mapped_column(Float)
+    route: Mapped[str | None] = mapped_column(String(16))  # gradio | rest (None: rows before v3)
 
     __table_args__ = (Index("ix_request_log_at", "at"), Index("ix_request_log_key", "key_digest"))
 
@@ -88,7 +89,14 @@ def _v2_request_model_ms(connection: Connection) -> None:
         connection.execute(text("ALTER TABLE request_log ADD COLUMN model_ms FLOAT"))
 
 
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1_initial, _v2_request_model_ms]
+def _v3_request_route(connection: Connection) -> None:
+    # Which front door a request came through (Gradio or the REST API).
+    columns = {c["name"] for c in inspect(connection).get_columns("request_log")}
+    if "route" not in columns:
+        connection.execute(text("ALTER TABLE request_log ADD COLUMN route VARCHAR(16)"))
+
+
+MIGRATIONS: list[Callable[[Connection], None]] = [_v1_initial, _v2_request_model_ms, _v3_request_route]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -177,12 +177,12 @@ class TestWriter:
         old.close()
         db = make_engine(f"sqlite:///{path}")
         try:
-            assert migrate(db) == 2
+            assert migrate(db) == 3
             with db.connect() as conn:
-                assert conn.execute(text("SELECT latency_ms, model_ms FROM request_log")).all() == [
-                    (12.5, None)
+                assert conn.execute(text("SELECT latency_ms, model_ms, route FROM request_log")).all() == [
+                    (12.5, None, None)
                 ]
-                assert conn.execute(text("SELECT version FROM schema_version")).scalar_one() == 2
+                assert conn.execute(text("SELECT version FROM schema_version")).scalar_one() == 3
                 assert conn.execute(text("PRAGMA journal_mode")).scalar_one() == "wal"
         finally:
             db.dispose()

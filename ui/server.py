@@ -15,10 +15,12 @@ from starlette.routing import Mount
 
 from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
+from api import build_oip_router, oip_body_limit
 from engine.runtime import Runtime
 from settings import Settings
 from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos
+from ui.lean_sessions import install_lean_sessions
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +31,11 @@ GRACEFUL_SHUTDOWN_S = 5
 def build_app(runtime: Runtime) -> FastAPI:
     settings = runtime.settings
     engine = runtime.engine
-    app = FastAPI(title="Inference cache", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Inference cache", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.include_router(
         build_router(engine=engine, admin=runtime.admin, auth=runtime.auth, metrics=runtime.metrics)
     )
+    app.include_router(build_oip_router(engine, max_body_bytes=oip_body_limit(settings.max_upload_bytes)))
     demo = build_demo(
         engine,
         max_upload_bytes=settings.max_upload_bytes,
@@ -61,6 +64,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     # preprocessing before queueing) as HTTP 500; it is the client's mistake, so answer 400.
     gradio_app = next(r.app for r in app.routes if isinstance(r, Mount))
     gradio_app.add_exception_handler(InvalidPathError, _refuse_path)
+    install_lean_sessions(gradio_app, demo)
     return app
 
 

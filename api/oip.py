@@ -1,0 +1,316 @@
+"""The Open Inference Protocol v2 REST routes (KServe, Triton, MLServer clients), on the app's port.
+
+Model names are the engine's task names. Each infer request carries one BYTES input named
+`input` (text: a UTF-8 string; image: the file's bytes); every element goes through
+`engine.classify(task, raw, route="rest")`, so the cache, limits, request log and metrics
+are the Gradio path's. The routes only translate between the wire and the engine.
+
+Response `parameters` (OIP parameter values are strings, numbers or booleans):
+`cache_info` is a JSON-encoded list with one cache_info object per element, and for a
+single element its fields (tier, key, model, model_version, generation, latency_ms,
+device, age_s) are also given flat.
+
+Statuses: 400 malformed request or bad input (`{"error": "<the engine's message>"}`),
+404 unknown model or version, 413 body over the limit, 415 unknown Content-Encoding,
+503 the model failed. Readiness before the models load is the app's gate, not this router's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from api.body import read_body
+from api.errors import RequestRefused
+from api.tensors import (
+    OUTPUT_NAMES,
+    InferRequest,
+    OutputTensor,
+    RequestedOutput,
+    encode_infer_response,
+    parse_infer_request,
+)
+from engine.errors import InvalidInputError, ModelError
+from engine.models.base import Classifier
+from engine.service import ClassifyResult, InferenceEngine
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "inference-cache"
+SERVER_VERSION = "0.1.0"  # pyproject.toml's version
+EXTENSIONS = ("binary_tensor_data",)
+INPUT_NAME = "input"
+ROUTE = "rest"  # the request log's and the metrics' name for this front door
+MAX_BATCH = 64  # elements per request
+# Elements of one batch classified at once: enough to fill a text micro-batch
+# (BATCH_MAX_SIZE, 8 by default) without taking the whole shared thread pool.
+BATCH_CONCURRENCY = 8
+# Bodies up to this size are parsed on the event loop (microseconds); larger ones in a thread.
+INLINE_PARSE_BYTES = 64 * 1024
+IMAGE_AS_BYTES = (
+    'Send the image file\'s bytes: base64 in JSON with "parameters": {"content_type": "base64"}, '
+    "or as binary data."
+)
+
+_ERROR_SCHEMA = {"content": {"application/json": {"example": {"error": "The message is empty."}}}}
+_JSON_EXAMPLE = {
+    "inputs": [{"name": INPUT_NAME, "shape": [1], "datatype": "BYTES", "data": ["Where is my order?"]}],
+    "parameters": {"binary_data_output": False},
+}
+_BINARY_BODY = {
+    "type": "string",
+    "format": "binary",
+    "description": "Triton's binary tensor extension: the JSON header (Inference-Header-Content-Length "
+    "bytes), then the tensor data.",
+}
+_INFER_DOCS: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"example": _JSON_EXAMPLE},
+            "application/octet-stream": {"schema": _BINARY_BODY},
+        },
+    }
+}
+_INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Malformed request or bad input", **_ERROR_SCHEMA},
+    404: {"description": "Unknown model or version", **_ERROR_SCHEMA},
+    413: {"description": "Request body over the limit", **_ERROR_SCHEMA},
+    503: {"description": "The model failed", **_ERROR_SCHEMA},
+}
+
+
+def build_oip_router(
+    engine: InferenceEngine, *, max_body_bytes: int, max_batch: int = MAX_BATCH
+) -> APIRouter:
+    """The /v2 routes over `engine`. `max_body_bytes`: see `api.body.oip_body_limit`."""
+    router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
+
+    @router.get("")
+    def server_metadata() -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": list(EXTENSIONS)}
+
+    @router.get("/health/live")
+    def server_live() -> dict[str, bool]:
+        return {"live": True}
+
+    @router.get("/health/ready")
+    def server_ready() -> dict[str, bool]:
+        # The app answers /v2 only once the models are loaded (its readiness gate).
+        return {"ready": True}
+
+    @router.get("/models/{model}", responses={404: _INFER_RESPONSES[404]})
+    def model_metadata(model: str, request: Request) -> Response:
+        return _answer(request, lambda: _metadata(model, _model(engine, model)))
+
+    @router.get("/models/{model}/versions/{version}", responses={404: _INFER_RESPONSES[404]})
+    def model_version_metadata(model: str, version: str, request: Request) -> Response:
+        return _answer(request, lambda: _metadata(model, _model(engine, model, version)))
+
+    @router.get("/models/{model}/ready", responses={404: _INFER_RESPONSES[404]})
+    def model_ready(model: str, request: Request) -> Response:
+        return _answer(request, lambda: _readiness(model, _model(engine, model)))
+
+    @router.get("/models/{model}/versions/{version}/ready", responses={404: _INFER_RESPONSES[404]})
+    def model_version_ready(model: str, version: str, request: Request) -> Response:
+        return _answer(request, lambda: _readiness(model, _model(engine, model, version)))
+
+    async def infer(model: str, request: Request, version: str | None = None) -> Response:
+        try:
+            return await _infer(engine, model, version, request, max_body_bytes, max_batch)
+        except (RequestRefused, InvalidInputError, ModelError) as exc:
+            return _refusal(request, exc)
+
+    @router.post("/models/{model}/infer", openapi_extra=_INFER_DOCS, responses=_INFER_RESPONSES)
+    async def model_infer(model: str, request: Request) -> Response:
+        """Classify a batch of one or more inputs through the cache."""
+        return await infer(model, request)
+
+    @router.post(
+        "/models/{model}/versions/{version}/infer", openapi_extra=_INFER_DOCS, responses=_INFER_RESPONSES
+    )
+    async def model_version_infer(model: str, version: str, request: Request) -> Response:
+        """As /infer, refused with 404 unless `version` is the served model_version."""
+        return await infer(model, request, version)
+
+    return router
+
+
+# ---- metadata ---------------------------------------------------------------
+
+
+def _model(engine: InferenceEngine, task: str, version: str | None = None) -> Classifier:
+    model = engine.models.get(task)
+    if model is None:
+        raise RequestRefused(404, f"Unknown model {task!r}. Models: {', '.join(sorted(engine.models))}.")
+    if version is not None and version != model.version:
+        # A pinned version is a promise about which weights answer: never another's.
+        raise RequestRefused(404, f"Model {task!r} has no version {version!r}; it serves {model.version!r}.")
+    return model
+
+
+def _takes_text(model: Classifier) -> bool:
+    # Config-defined models (issue 17) name their kind ("text-classification" /
+    # "image-classification"); the built-ins are known by their task.
+    kind = getattr(model, "kind", None)
+    if isinstance(kind, str):
+        return not kind.startswith("image")
+    return model.task != "image"
+
+
+def _readiness(task: str, model: Classifier) -> dict[str, Any]:
+    # A model the engine holds is loaded: the app is assembled only once every model is.
+    return {"name": task, "ready": True}
+
+
+def _metadata(task: str, model: Classifier) -> dict[str, Any]:
+    text = _takes_text(model)
+    return {
+        "name": task,
+        "versions": [model.version],
+        "platform": "pytorch",
+        "inputs": [{"name": INPUT_NAME, "datatype": "BYTES", "shape": [-1]}],
+        "outputs": [
+            {"name": "label", "datatype": "BYTES", "shape": [-1, -1]},
+            {"name": "score", "datatype": "FP32", "shape": [-1, -1]},
+        ],
+        "parameters": {
+            "model": model.name,
+            "device": model.device,
+            "input": "UTF-8 text" if text else "an image file's bytes (base64 in JSON)",
+        },
+    }
+
+
+# ---- inference --------------------------------------------------------------
+
+
+async def _infer(
+    engine: InferenceEngine,
+    task: str,
+    version: str | None,
+    request: Request,
+    max_body_bytes: int,
+    max_batch: int,
+) -> Response:
+    model = _model(engine, task, version)  # before the body: an unknown model costs no read
+    body = await read_body(request, limit=max_body_bytes)
+    parse = partial(
+        parse_infer_request, body, request.headers.get("inference-header-content-length"),
+        input_name=INPUT_NAME, max_elements=max_batch,
+    )  # fmt: skip
+    parsed = parse() if len(body) <= INLINE_PARSE_BYTES else await anyio.to_thread.run_sync(parse)
+    text = _takes_text(model)
+    raws = [_engine_input(element, text=text) for element in parsed.elements]
+    results = await _classify_all(engine, task, raws)
+    if version is not None and any(r.model_version != version for r in results):
+        raise RequestRefused(404, f"Model {task!r} was replaced during the request; version {version!r} "
+                                  "is no longer served.")  # fmt: skip
+    content, header_length = encode_infer_response(_response_header(task, parsed, results),
+                                                   _outputs(parsed, results))  # fmt: skip
+    if header_length is None:
+        return Response(content, media_type="application/json")
+    return Response(content, media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(header_length)})  # fmt: skip
+
+
+def _engine_input(element: bytes | str, *, text: bool) -> bytes | str:
+    """What the engine takes: a str for a text model, the file's bytes for an image model."""
+    if not text:
+        if isinstance(element, str):
+            raise RequestRefused(400, IMAGE_AS_BYTES)
+        return element
+    if isinstance(element, str):
+        return element
+    try:
+        return element.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestRefused(400, "The message is not valid UTF-8 text.") from None
+
+
+async def _classify_all(engine: InferenceEngine, task: str, raws: list[bytes | str]) -> list[ClassifyResult]:
+    """Every element through the cache, in threads (the engine blocks), up to
+    BATCH_CONCURRENCY at once so that concurrent text misses share a forward pass."""
+    classify = partial(engine.classify, task, route=ROUTE)
+    if len(raws) == 1:
+        return [await anyio.to_thread.run_sync(classify, raws[0])]
+    results: list[ClassifyResult | None] = [None] * len(raws)
+    errors: list[InvalidInputError | ModelError | None] = [None] * len(raws)
+    slots = anyio.Semaphore(BATCH_CONCURRENCY)
+
+    async def one(index: int) -> None:
+        async with slots:
+            try:
+                results[index] = await anyio.to_thread.run_sync(classify, raws[index])
+            except (InvalidInputError, ModelError) as exc:
+                errors[index] = exc
+
+    async with anyio.create_task_group() as group:
+        for index in range(len(raws)):
+            group.start_soon(one, index)
+    # OIP has no per-element errors: the batch fails as a whole. Bad input outranks a
+    # model failure (retrying the same batch would not help); then the lowest index.
+    failed = sorted((isinstance(e, ModelError), i, e) for i, e in enumerate(errors) if e is not None)
+    if failed:
+        _, index, error = failed[0]
+        status, message = _status(error)
+        raise RequestRefused(status, f"Element {index}: {message}")
+    return [r for r in results if r is not None]
+
+
+def _response_header(task: str, parsed: InferRequest, results: list[ClassifyResult]) -> dict[str, Any]:
+    infos = [r.cache_info() for r in results]
+    parameters: dict[str, Any] = {"cache_info": json.dumps(infos, separators=(",", ":"))}
+    if len(infos) == 1:
+        parameters.update(infos[0])
+    header: dict[str, Any] = {"model_name": task, "model_version": results[0].model_version}
+    if parsed.request_id is not None:
+        header["id"] = parsed.request_id
+    header["parameters"] = parameters
+    return header
+
+
+def _outputs(parsed: InferRequest, results: list[ClassifyResult]) -> list[tuple[OutputTensor, bool]]:
+    # Every element of one model has the same number of classes; min() keeps the tensor
+    # rectangular should a live model swap change it mid-batch.
+    k = min(len(r.prediction.labels) for r in results)
+    shape = (len(results), k)
+    top = [pair for r in results for pair in r.prediction.labels[:k]]
+    tensors = {
+        "label": OutputTensor("label", "BYTES", shape, [name for name, _ in top]),
+        "score": OutputTensor("score", "FP32", shape, [score for _, score in top]),
+    }
+    wanted = parsed.outputs or tuple(RequestedOutput(name, None) for name in OUTPUT_NAMES)
+    return [(tensors[o.name], parsed.wants_binary(o)) for o in wanted]
+
+
+# ---- errors -----------------------------------------------------------------
+
+
+def _answer(request: Request, build: Callable[[], dict[str, Any]]) -> Response:
+    try:
+        return JSONResponse(build())
+    except RequestRefused as exc:
+        return _refusal(request, exc)
+
+
+def _status(exc: RequestRefused | InvalidInputError | ModelError) -> tuple[int, str]:
+    """The one place an error becomes an HTTP status and a message for the caller."""
+    if isinstance(exc, RequestRefused):
+        return exc.status, exc.message
+    if isinstance(exc, InvalidInputError):
+        return (404 if exc.code == "unknown_task" else 400), exc.message  # 404: a task removed since
+    return 503, str(exc)
+
+
+def _refusal(request: Request, exc: RequestRefused | InvalidInputError | ModelError) -> JSONResponse:
+    status, message = _status(exc)
+    log.warning("refused %s %s: %d %s", request.method, request.url.path[:200], status, message)
+    return JSONResponse({"error": message}, status_code=status)

@@ -1,0 +1,298 @@
+"""Open Inference Protocol v2 tensors on the wire: JSON, and Triton's binary extension.
+
+A body is a JSON header, optionally followed by raw tensor bytes. With raw bytes the
+`Inference-Header-Content-Length` header gives the JSON's length and each binary tensor
+names its size in `parameters.binary_data_size`, in the order the tensors are listed.
+BYTES elements in binary form are a 4-byte little-endian length, then the bytes; FP32
+is little-endian IEEE 754.
+
+This module knows nothing of models or the cache: it turns a body into an `InferRequest`
+and output tensors into a body, and says precisely what is wrong with a malformed one
+(RequestRefused 400).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from api.errors import RequestRefused
+
+OUTPUT_NAMES = ("label", "score")
+_CONTENT_TYPES = (None, "str", "base64")
+_LENGTH = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary: bool | None  # None: the request's `binary_data_output` decides
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    request_id: str | None
+    input_name: str
+    elements: tuple[bytes | str, ...]  # str: a JSON string sent as text; bytes otherwise
+    outputs: tuple[RequestedOutput, ...]  # empty: every output
+    binary_output: bool
+
+    def wants_binary(self, output: RequestedOutput) -> bool:
+        return self.binary_output if output.binary is None else output.binary
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    datatype: str  # "BYTES" or "FP32"
+    shape: tuple[int, ...]
+    data: list[str] | list[float]
+
+
+def _refuse(message: str) -> RequestRefused:
+    return RequestRefused(400, message)
+
+
+# ---- requests ---------------------------------------------------------------
+
+
+def parse_infer_request(
+    body: bytes, header_length: str | None, *, input_name: str, max_elements: int
+) -> InferRequest:
+    """Decode an inference request body (JSON, or JSON + binary tensor data)."""
+    json_end = _json_end(body, header_length)
+    header = _load_json(body[:json_end])
+    tensor = _single_input(header, input_name)
+    count = _element_count(tensor, input_name, max_elements)
+    params = _params(tensor, f"input {input_name!r}")
+    content_type = params.get("content_type")
+    if content_type not in _CONTENT_TYPES:
+        raise _refuse(f"content_type {content_type!r} is not supported; use 'str' or 'base64'.")
+    binary_size = params.get("binary_data_size")
+    if binary_size is None:
+        if json_end != len(body):
+            raise _refuse(f"{len(body) - json_end} bytes follow the JSON header, but no input has "
+                          "binary_data_size.")  # fmt: skip
+        elements: list[bytes | str] = list(_json_elements(tensor, input_name, count))
+    else:
+        if "data" in tensor:
+            raise _refuse(f"input {input_name!r} has both data and binary_data_size; send one.")
+        raw = _binary_section(body, json_end, binary_size, input_name)
+        elements = list(_split_bytes(raw, count))
+    if content_type == "base64":
+        elements = [_b64(element, i) for i, element in enumerate(elements)]
+    return InferRequest(
+        request_id=_request_id(header),
+        input_name=input_name,
+        elements=tuple(elements),
+        outputs=_requested_outputs(header),
+        binary_output=_flag(_params(header, "the request").get("binary_data_output"), "binary_data_output"),
+    )
+
+
+def _json_end(body: bytes, header_length: str | None) -> int:
+    if header_length is None:
+        return len(body)
+    value = header_length.strip()
+    if not value.isdigit() or not 0 < int(value) <= len(body):
+        raise _refuse(f"Inference-Header-Content-Length must be a byte count between 1 and the body's "
+                      f"{len(body)}; got {header_length!r}.")  # fmt: skip
+    return int(value)
+
+
+def _load_json(data: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 or nested too deeply"
+        raise _refuse(f"The request body is not valid JSON: {detail}.") from None
+    if not isinstance(header, dict):
+        raise _refuse("The request body must be a JSON object with an 'inputs' list.")
+    return header
+
+
+def _single_input(header: dict[str, Any], input_name: str) -> dict[str, Any]:
+    inputs = header.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise _refuse("The request has no 'inputs' list.")
+    if len(inputs) != 1:
+        raise _refuse(f"This model takes one input ({input_name!r}); the request has {len(inputs)}.")
+    tensor = inputs[0]
+    if not isinstance(tensor, dict):
+        raise _refuse("Each input must be a JSON object.")
+    if tensor.get("name") != input_name:
+        name = tensor.get("name")
+        raise _refuse(f"Unknown input {name!r}; this model takes one input named {input_name!r}.")
+    if tensor.get("datatype") != "BYTES":
+        raise _refuse(f"Input {input_name!r} must have datatype BYTES, not {tensor.get('datatype')!r}.")
+    return tensor
+
+
+def _element_count(tensor: dict[str, Any], input_name: str, max_elements: int) -> int:
+    shape = tensor.get("shape")
+    if not isinstance(shape, list) or not shape or not all(_is_count(d) for d in shape):
+        raise _refuse(f"Input {input_name!r} needs a shape: a list of non-negative integers, e.g. [1].")
+    count = math.prod(shape)
+    if count == 0:
+        raise _refuse(f"Input {input_name!r} has no elements (shape {shape}).")
+    if count > max_elements:
+        raise _refuse(f"At most {max_elements} elements per request; shape {shape} holds {count}.")
+    return count
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    params = obj.get("parameters", {})
+    if not isinstance(params, dict):
+        raise _refuse(f"The parameters of {where} must be a JSON object.")
+    return params
+
+
+def _flag(value: Any, name: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _refuse(f"{name} must be true or false, not {value!r}.")
+    return value
+
+
+def _json_elements(tensor: dict[str, Any], input_name: str, count: int) -> list[str]:
+    if "data" not in tensor:
+        raise _refuse(f"Input {input_name!r} has no data: send 'data', or 'binary_data_size' with the "
+                      "bytes after the JSON header.")  # fmt: skip
+    # OIP allows nested (row-major) lists as well as a flat one; walked without recursion.
+    flat: list[str] = []
+    stack = [tensor["data"]]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, str):
+            flat.append(item)
+        else:
+            raise _refuse(f"BYTES data must be strings; element {len(flat)} is {type(item).__name__}.")
+        if len(flat) > count:
+            break
+    if len(flat) != count:
+        shape = tensor["shape"]
+        raise _refuse(f"Shape {shape} holds {count} elements but the data holds "
+                      f"{'more' if len(flat) > count else len(flat)}.")  # fmt: skip
+    return flat
+
+
+def _binary_section(body: bytes, start: int, size: Any, input_name: str) -> bytes:
+    if not _is_count(size):
+        raise _refuse(f"binary_data_size of input {input_name!r} must be a non-negative integer.")
+    available = len(body) - start
+    if available < size:
+        raise _refuse(f"Input {input_name!r} declares binary_data_size {size}, but only {available} bytes "
+                      "follow the JSON header (is Inference-Header-Content-Length set?).")  # fmt: skip
+    if available > size:
+        raise _refuse(f"{available - size} unexpected bytes follow input {input_name!r}'s binary data.")
+    return body[start:]
+
+
+def _split_bytes(raw: bytes, count: int) -> list[bytes]:
+    """BYTES elements from their binary form: 4-byte little-endian length, then the bytes."""
+    elements: list[bytes] = []
+    offset = 0
+    while offset < len(raw):
+        if len(raw) - offset < _LENGTH.size:
+            raise _refuse(f"Binary BYTES data is malformed: {len(raw) - offset} stray bytes at the end.")
+        (length,) = _LENGTH.unpack_from(raw, offset)
+        offset += _LENGTH.size
+        if length > len(raw) - offset:
+            raise _refuse(f"Binary BYTES data is malformed: element {len(elements)} declares {length} bytes "
+                          f"but {len(raw) - offset} remain.")  # fmt: skip
+        elements.append(raw[offset : offset + length])
+        offset += length
+    if len(elements) != count:
+        raise _refuse(f"The shape holds {count} elements but the binary data holds {len(elements)}.")
+    return elements
+
+
+def _b64(element: bytes | str, index: int) -> bytes:
+    try:
+        return base64.b64decode(element, validate=True)
+    except (binascii.Error, ValueError):  # ValueError: a str with non-ASCII characters
+        raise _refuse(f"Element {index} is not valid base64 (content_type 'base64').") from None
+
+
+def _request_id(header: dict[str, Any]) -> str | None:
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise _refuse("The request 'id' must be a string.")
+    return request_id
+
+
+def _requested_outputs(header: dict[str, Any]) -> tuple[RequestedOutput, ...]:
+    outputs = header.get("outputs", [])
+    if not isinstance(outputs, list):
+        raise _refuse("'outputs' must be a list.")
+    requested = []
+    for output in outputs:
+        name = output.get("name") if isinstance(output, dict) else None
+        if name not in OUTPUT_NAMES:
+            raise _refuse(f"Unknown output {name!r}; this model gives 'label' and 'score'.")
+        params = _params(output, f"output {name!r}")
+        if "classification" in params:
+            raise _refuse("The classification extension is not supported: 'label' and 'score' already "
+                          "hold the top classes.")  # fmt: skip
+        if "shared_memory_region" in params:
+            raise _refuse("Shared-memory outputs are not supported over this API.")
+        binary = params.get("binary_data")
+        requested.append(RequestedOutput(name, None if binary is None else _flag(binary, "binary_data")))
+    return tuple(requested)
+
+
+# ---- responses --------------------------------------------------------------
+
+
+def encode_infer_response(
+    header: dict[str, Any], outputs: list[tuple[OutputTensor, bool]]
+) -> tuple[bytes, int | None]:
+    """(body, JSON header length). The length is None when every output is JSON, in which
+    case the body is plain JSON; otherwise the binary outputs follow the header in order."""
+    described = []
+    binary_parts = []
+    for tensor, binary in outputs:
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype}
+        entry["shape"] = list(tensor.shape)
+        if binary:
+            raw = _tensor_bytes(tensor)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            binary_parts.append(raw)
+        else:
+            entry["data"] = _json_values(tensor)
+        described.append(entry)
+    encoded = json.dumps({**header, "outputs": described}, separators=(",", ":"), ensure_ascii=False).encode()
+    if not binary_parts:
+        return encoded, None
+    return b"".join([encoded, *binary_parts]), len(encoded)
+
+
+def _tensor_bytes(tensor: OutputTensor) -> bytes:
+    if tensor.datatype == "BYTES":
+        parts = []
+        for value in tensor.data:
+            data = str(value).encode()
+            parts += [_LENGTH.pack(len(data)), data]
+        return b"".join(parts)
+    return np.asarray(tensor.data, dtype="<f4").tobytes()
+
+
+def _json_values(tensor: OutputTensor) -> list[Any]:
+    if tensor.datatype == "FP32":
+        # The float32 values themselves, so a JSON answer equals the binary one exactly.
+        return np.asarray(tensor.data, dtype=np.float32).tolist()
+    return list(tensor.data)

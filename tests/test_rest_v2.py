@@ -1,0 +1,539 @@
+"""The Open Inference Protocol v2 REST API, through the real `tritonclient[http]` client
+(plain httpx and raw sockets for the requests tritonclient cannot send)."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from fastapi import FastAPI
+from gradio_client import Client
+from sqlalchemy import select
+from tritonclient.utils import InferenceServerException
+
+from api import build_oip_router, oip_body_limit
+from engine.runtime import Runtime, build_runtime
+from settings import Settings
+from storage.embedded_redis import EmbeddedRedis
+from storage.sql import RequestRow, make_engine
+from tests.conftest import CountingTextModel, FailingModel, free_port
+from ui.server import BackgroundServer, build_app
+
+PARCEL = "Where is my parcel? It's a week late"
+CACHE_INFO_FIELDS = {"tier", "key", "model", "model_version", "generation", "latency_ms", "device", "age_s"}
+SMALL_UPLOAD = 30_000  # stand-in servers: a body limit of oip_body_limit(30 000) = 105 536 bytes
+
+
+@dataclass
+class Served:
+    url: str
+    runtime: Runtime
+    client: triton.InferenceServerClient
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=30, **kwargs)
+
+
+def _serve(runtime: Runtime) -> tuple[BackgroundServer, Served]:
+    server = BackgroundServer(build_app(runtime), port=free_port()).start()
+    client = triton.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=120)
+    return server, Served(server.url, runtime, client)
+
+
+@pytest.fixture(scope="module")
+def real_served(
+    real_models: dict[str, Any],
+    base_settings: Settings,
+    redis_binary: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Served]:
+    """The real models behind a real Redis, served once for this module (each test flushes)."""
+    folder = tmp_path_factory.mktemp("rest")
+    redis = EmbeddedRedis(data_dir=folder / "redis", maxmemory_mb=64, binary=redis_binary, port=free_port(),
+                          save=False)  # fmt: skip
+    redis.start()
+    runtime = build_runtime(replace(base_settings, data_dir=folder / "data", redis_url=redis.url),
+                            models=real_models)  # fmt: skip
+    server, served = _serve(runtime)
+    try:
+        yield served
+    finally:
+        served.client.close()
+        server.close()
+        runtime.close()
+        redis.close()
+
+
+@pytest.fixture
+def real(real_served: Served) -> Served:
+    """The module's server with every tier empty, so that tiers are predictable."""
+    real_served.runtime.engine.flush("all")
+    return real_served
+
+
+@pytest.fixture
+def serve_standin(make_runtime) -> Iterator[Callable[..., Served]]:
+    """Servers over stand-in models (the model is not the subject), small upload limit."""
+    started: list[tuple[BackgroundServer, Served]] = []
+
+    def start(**runtime_args: Any) -> Served:
+        runtime_args.setdefault("max_upload_bytes", SMALL_UPLOAD)
+        started.append(_serve(make_runtime(**runtime_args)))
+        return started[-1][1]
+
+    yield start
+    for server, served in reversed(started):
+        served.client.close()
+        server.close()
+
+
+def text_input(texts: list[str], *, binary: bool) -> triton.InferInput:
+    tensor = triton.InferInput("input", [len(texts)], "BYTES")
+    tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_), binary_data=binary)
+    return tensor
+
+
+def image_input(files: list[bytes]) -> triton.InferInput:
+    tensor = triton.InferInput("input", [len(files)], "BYTES")
+    tensor.set_data_from_numpy(np.array(files, dtype=np.object_), binary_data=True)
+    return tensor
+
+
+def outputs(*, binary: bool) -> list[triton.InferRequestedOutput]:
+    return [triton.InferRequestedOutput(name, binary_data=binary) for name in ("label", "score")]
+
+
+def answers(result: triton.InferResult) -> tuple[list[list[str]], np.ndarray, list[dict[str, Any]]]:
+    """(labels per element, scores per element, cache_info per element)."""
+    # tritonclient gives BYTES as bytes from binary data and as str from JSON.
+    labels = [[v.decode() if isinstance(v, bytes) else v for v in row] for row in result.as_numpy("label")]
+    cache_info = json.loads(result.get_response()["parameters"]["cache_info"])
+    return labels, result.as_numpy("score"), cache_info
+
+
+def json_body(data: list[Any], *, shape: list[int] | None = None, **input_fields: Any) -> dict[str, Any]:
+    tensor = {
+        "name": "input",
+        "shape": shape or [len(data)],
+        "datatype": "BYTES",
+        "data": data,
+        **input_fields,
+    }
+    return {"inputs": [tensor]}
+
+
+def refusal(call: Callable[[], Any]) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as error:
+        call()
+    return error.value
+
+
+# ---- answers ------------------------------------------------------------------
+
+
+def test_text_json_and_binary_answer_as_the_gradio_path(real: Served) -> None:
+    result = real.client.infer("text", [text_input([PARCEL], binary=False)], outputs=outputs(binary=False))
+    assert result.get_output("label")["data"]  # JSON, not binary, as asked
+    labels, scores, infos = answers(result)
+    assert labels[0][0] == "order_status" and len(labels[0]) == 5 and scores.shape == (1, 5)
+    assert scores.dtype == np.float32 and np.all(np.diff(scores[0]) <= 0)
+    params = result.get_response()["parameters"]
+    assert infos[0]["tier"] == "miss" and set(infos[0]) == CACHE_INFO_FIELDS
+    assert {k: params[k] for k in CACHE_INFO_FIELDS} == infos[0]  # flat fields for one element
+    assert result.get_response()["model_version"] == real.runtime.engine.models["text"].version
+
+    # The same message (spacing, case) in binary: a hit on the same key, the same answer.
+    again = real.client.infer("text", [text_input(["  where is my PARCEL?  it's a week late "], binary=True)])
+    assert "data" not in again.get_output("label")  # binary by default (tritonclient asks so)
+    again_labels, again_scores, again_infos = answers(again)
+    assert again_infos[0]["tier"] == "l1" and again_infos[0]["key"] == infos[0]["key"]
+    assert again_labels == labels and np.array_equal(again_scores, scores)
+
+    # Gradio's path serves the entry REST wrote, and gives the same classes and scores.
+    label, info = Client(real.url + "/", verbose=False).predict(PARCEL, api_name="/classify_text")
+    assert info["tier"] == "l1" and info["key"] == infos[0]["key"]
+    assert [c["label"] for c in label["confidences"]] == labels[0]
+    assert np.array_equal(np.float32([c["confidence"] for c in label["confidences"]]), scores[0])
+
+
+def test_image_binary_and_json_base64(real: Served, photo_bytes) -> None:
+    chelsea = photo_bytes("chelsea.png")
+    labels, scores, infos = answers(real.client.infer("image", [image_input([chelsea])]))
+    assert labels[0][0] == "tabby" and infos[0]["tier"] == "miss"
+    assert infos[0]["model"] == "efficientnet-lite0" and scores.shape == (1, 5)
+
+    body = json_body([base64.b64encode(chelsea).decode()], parameters={"content_type": "base64"})
+    response = real.post("/v2/models/image/infer", json=body)
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    answer = response.json()
+    by_name = {o["name"]: o for o in answer["outputs"]}
+    assert by_name["label"]["data"] == labels[0] and by_name["label"]["shape"] == [1, 5]
+    assert np.array_equal(np.float32(by_name["score"]["data"]), scores[0])  # JSON equals binary exactly
+    assert answer["parameters"]["tier"] == "l1" and answer["parameters"]["key"] == infos[0]["key"]
+
+    engine_answer = real.runtime.engine.classify("image", chelsea)  # the engine itself, from the cache
+    assert [n for n, _ in engine_answer.prediction.labels] == labels[0]
+    assert np.array_equal(np.float32([s for _, s in engine_answer.prediction.labels]), scores[0])
+
+
+def test_a_batch_answers_each_element_through_the_cache(real: Served, photo_bytes) -> None:
+    texts = ["I was charged twice for the same order", "I forgot my password and can't log in",
+             "Can I talk to a real person please?"]  # fmt: skip
+    first_labels, first_scores, _ = answers(real.client.infer("text", [text_input(texts[:1], binary=True)]))
+    labels, scores, infos = answers(real.client.infer("text", [text_input(texts, binary=True)]))
+    assert scores.shape == (3, 5) and len(infos) == 3
+    assert [i["tier"] for i in infos] == ["l1", "miss", "miss"]  # the first was asked alone before
+    assert labels[0] == first_labels[0] and np.array_equal(scores[0], first_scores[0])
+    assert len({i["key"] for i in infos}) == 3
+    assert labels[1][0] == "account_login" and labels[2][0] == "human_agent"
+    again = real.client.infer("text", [text_input(texts, binary=False)], outputs=outputs(binary=False))
+    again_labels, again_scores, again_infos = answers(again)
+    assert [i["tier"] for i in again_infos] == ["l1"] * 3
+    assert again_labels == labels and np.array_equal(again_scores, scores)
+    assert "tier" not in again.get_response()["parameters"]  # flat fields only for one element
+
+    photos = [photo_bytes("chelsea.png"), photo_bytes("coffee.png")]
+    image_labels, image_scores, image_infos = answers(real.client.infer("image", [image_input(photos)]))
+    assert [row[0] for row in image_labels] == ["tabby", "espresso"] and image_scores.shape == (2, 5)
+    assert [i["tier"] for i in image_infos] == ["miss", "miss"]
+
+
+class BatchingTextModel(CountingTextModel):
+    """A stand-in that opts into the engine's micro-batching, as the real text model does."""
+
+    batch_misses = True
+
+
+def test_a_batchs_misses_run_together(serve_standin) -> None:
+    model = BatchingTextModel(delay_s=0.3)
+    served = serve_standin(models={"text": model})
+    texts = [f"My order number {n} never arrived" for n in range(8)]
+    _, _, infos = answers(served.client.infer("text", [text_input(texts, binary=True)]))
+    assert [i["tier"] for i in infos] == ["miss"] * 8
+    # One at a time would take 8 forward passes; together, the first runs alone and the
+    # others wait for it and share the next one.
+    assert model.calls <= 3, model.calls
+
+
+def test_outputs_chosen_one_by_one_and_request_id(real: Served) -> None:
+    asked = [triton.InferRequestedOutput("score", binary_data=False), triton.InferRequestedOutput("label")]
+    result = real.client.infer("text", [text_input([PARCEL], binary=True)], outputs=asked, request_id="r-1",
+                               request_compression_algorithm="gzip")  # fmt: skip
+    response = result.get_response()
+    assert response["id"] == "r-1" and [o["name"] for o in response["outputs"]] == ["score", "label"]
+    assert "data" in response["outputs"][0] and "data" not in response["outputs"][1]
+    assert result.as_numpy("label")[0, 0] == b"order_status"
+    only_label = real.client.infer("text", [text_input([PARCEL], binary=False)],
+                                   outputs=[triton.InferRequestedOutput("label", binary_data=False)],
+                                   request_compression_algorithm="deflate")  # fmt: skip
+    assert only_label.as_numpy("score") is None and only_label.get_response()["parameters"]["tier"] == "l1"
+
+
+# ---- metadata -------------------------------------------------------------------
+
+
+def test_health_and_metadata(real: Served) -> None:
+    client = real.client
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.get_server_metadata()["extensions"] == ["binary_tensor_data"]
+    for task, model in real.runtime.engine.models.items():
+        meta = client.get_model_metadata(task)
+        assert meta["name"] == task and meta["versions"] == [model.version]
+        assert meta["inputs"] == [{"name": "input", "datatype": "BYTES", "shape": [-1]}]
+        assert [(o["name"], o["datatype"]) for o in meta["outputs"]] == [
+            ("label", "BYTES"),
+            ("score", "FP32"),
+        ]
+        assert client.is_model_ready(task) and client.is_model_ready(task, model_version=model.version)
+        assert client.get_model_metadata(task, model_version=model.version) == meta
+        assert not client.is_model_ready(task, model_version="not-" + model.version)
+    version = real.runtime.engine.models["text"].version
+    pinned = client.infer("text", [text_input([PARCEL], binary=True)], model_version=version)
+    assert pinned.get_response()["model_version"] == version
+    error = refusal(lambda: client.infer("text", [text_input([PARCEL], binary=True)], model_version="v0"))
+    assert error.status() == "404" and version in error.message()
+
+
+def test_unknown_model_is_404(real: Served) -> None:
+    client = real.client
+    error = refusal(lambda: client.infer("nope", [text_input(["hi"], binary=True)]))
+    assert error.status() == "404" and error.message() == "Unknown model 'nope'. Models: image, text."
+    assert refusal(lambda: client.get_model_metadata("nope")).status() == "404"
+    assert not client.is_model_ready("nope")
+    response = httpx.get(real.url + "/v2/models/nope/ready")
+    assert response.status_code == 404 and "Unknown model" in response.json()["error"]
+
+
+def test_openapi_page_lists_the_v2_routes(real: Served) -> None:
+    schema = httpx.get(real.url + "/openapi.json").json()
+    assert {"/v2", "/v2/health/ready", "/v2/models/{model}", "/v2/models/{model}/infer"} <= set(
+        schema["paths"]
+    )
+    page = httpx.get(real.url + "/docs")
+    assert page.status_code == 200 and "swagger" in page.text.lower()
+
+
+# ---- errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("task", "payload", "message"),
+    [
+        ("text", "", "The message is empty. Please type a question."),
+        ("text", " \t\n ", "The message is empty. Please type a question."),
+        ("image", b"this is a text file, not a picture\n", "This file is not an image we can read."),
+        ("image", b"", "The uploaded file is empty (0 bytes)."),
+        ("image", None, "The image file is truncated or corrupted."),  # a truncated PNG
+    ],
+)
+def test_bad_input_is_400_with_the_engines_message(real: Served, photo_bytes, task, payload, message) -> None:
+    if payload is None:
+        payload = photo_bytes("coffee.png")[:3000]
+    tensor = image_input([payload]) if task == "image" else text_input([payload], binary=False)
+    for _ in range(2):  # the second time from the negative cache
+        error = refusal(lambda: real.client.infer(task, [tensor]))
+        assert error.status() == "400" and error.message().startswith(message)
+        single = error.message()
+    if task == "text":
+        batch = text_input(["fine", payload], binary=True)
+    else:
+        batch = image_input([photo_bytes("chelsea.png"), payload])
+    error = refusal(lambda: real.client.infer(task, [batch]))
+    assert error.status() == "400" and error.message() == f"Element 1: {single}"
+
+
+def test_a_failing_model_is_503_and_nothing_is_cached(serve_standin) -> None:
+    served = serve_standin(models={"text": FailingModel()})
+    for _ in range(2):
+        error = refusal(lambda: served.client.infer("text", [text_input(["hello"], binary=True)]))
+        assert error.status() == "503" and error.message() == "The text model failed: ModelError."
+    assert served.runtime.engine.models["text"].calls == 2  # not cached, not remembered
+
+
+def _body_limit() -> int:
+    return oip_body_limit(SMALL_UPLOAD)
+
+
+def test_oversized_bodies_are_413(serve_standin) -> None:
+    served = serve_standin()
+    limit = _body_limit()
+    assert limit == 4 * 10_000 + 64 * 1024
+    # tritonclient (Content-Length): a batch whose body is over the limit.
+    error = refusal(lambda: served.client.infer("text", [text_input(["y" * 45_000] * 3, binary=True)]))
+    assert error.status() == "413" and f"{limit:,} bytes" in error.message()
+    # Chunked, without Content-Length: counted while streaming, about 3 MB offered.
+    chunks = (b"x" * 65536 for _ in range(50))
+    response = served.post("/v2/models/text/infer", content=chunks)
+    assert response.status_code == 413 and response.json()["error"].startswith("The request body is larger")
+    # Exactly at the limit is not refused for its size.
+    padded = json.dumps(json_body(["hello"])).encode()
+    padded += b" " * (limit - len(padded))
+    assert served.post("/v2/models/text/infer", content=padded).status_code == 200
+
+
+def test_a_declared_oversize_is_refused_before_the_body_is_sent(serve_standin) -> None:
+    served = serve_standin()
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        head = f"POST /v2/models/text/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {_body_limit() + 1}\r\n\r\n".encode())
+        reply = b""  # no byte of the body is ever sent
+        while b"}" not in reply and (chunk := sock.recv(65536)):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413") and b"larger than the limit" in reply
+
+
+def test_a_chunked_body_is_read_no_further_than_the_limit(make_runtime) -> None:
+    """In process, with an endless body: the router stops pulling chunks at the limit."""
+    limit = 100_000
+    app = FastAPI()
+    app.include_router(build_oip_router(make_runtime().engine, max_body_bytes=limit))
+    pulled = 0
+
+    async def endless() -> Any:
+        nonlocal pulled
+        while True:
+            pulled += 8192
+            yield b"x" * 8192
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v2/models/text/infer", content=endless())
+
+    response = anyio.run(post)
+    assert response.status_code == 413
+    assert limit < pulled <= limit + 8192
+
+
+def _binary_request(header: dict[str, Any], tail: bytes) -> dict[str, Any]:
+    head = json.dumps(header).encode()
+    return {"content": head + tail, "headers": {"Inference-Header-Content-Length": str(len(head))}}
+
+
+def _bytes_element(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "little") + data
+
+
+def _binary_input(size: int, count: int = 1) -> dict[str, Any]:
+    return {"inputs": [{"name": "input", "shape": [count], "datatype": "BYTES",
+                        "parameters": {"binary_data_size": size}}]}  # fmt: skip
+
+
+MALFORMED: list[tuple[str, dict[str, Any], str]] = [
+    ("not json", {"content": b"{inputs: nope"}, "not valid JSON"),
+    ("not utf-8", {"content": b'{"inputs": "\xff"}'}, "not valid JSON"),
+    ("deeply nested", {"content": b"[" * 100_000}, "not valid JSON"),
+    ("a list", {"json": [1, 2]}, "must be a JSON object"),
+    ("no inputs", {"json": {"outputs": []}}, "no 'inputs' list"),
+    ("two inputs", {"json": {"inputs": json_body(["a"])["inputs"] * 2}}, "takes one input"),
+    ("input not an object", {"json": {"inputs": ["hello"]}}, "must be a JSON object"),
+    ("wrong name", {"json": {"inputs": [{**json_body(["a"])["inputs"][0], "name": "text"}]}},
+     "Unknown input 'text'"),
+    ("wrong datatype", {"json": {"inputs": [{**json_body(["a"])["inputs"][0], "datatype": "FP32"}]}},
+     "must have datatype BYTES, not 'FP32'"),
+    ("shape mismatch", {"json": json_body(["a"], shape=[2])},
+     "Shape [2] holds 2 elements but the data holds 1"),
+    ("too much data", {"json": json_body(["a", "b", "c"], shape=[2])}, "data holds more"),
+    ("nested data", {"json": json_body([["a"], ["b", "c"]], shape=[2, 1])}, "data holds more"),
+    ("no shape", {"json": {"inputs": [{"name": "input", "datatype": "BYTES", "data": ["a"]}]}},
+     "needs a shape"),
+    ("negative shape", {"json": json_body(["a"], shape=[-1])}, "needs a shape"),
+    ("empty shape", {"json": json_body([], shape=[0])}, "has no elements"),
+    ("too many elements", {"json": json_body(["a"] * 65)}, "At most 64 elements"),
+    ("number data", {"json": json_body([42])}, "must be strings; element 0 is int"),
+    ("no data", {"json": {"inputs": [{"name": "input", "shape": [1], "datatype": "BYTES"}]}}, "has no data"),
+    ("bad base64", {"json": json_body(["not base64!"], parameters={"content_type": "base64"})},
+     "Element 0 is not valid base64"),
+    ("bad content_type", {"json": json_body(["a"], parameters={"content_type": "np"})}, "content_type 'np'"),
+    ("bad parameters", {"json": json_body(["a"], parameters=[1])}, "must be a JSON object"),
+    ("unknown output", {"json": {**json_body(["a"]), "outputs": [{"name": "probs"}]}},
+     "Unknown output 'probs'"),
+    ("classification", {"json": {**json_body(["a"]),
+                                 "outputs": [{"name": "label", "parameters": {"classification": 3}}]}},
+     "classification extension is not supported"),
+    ("binary_data_output not bool",
+     {"json": {**json_body(["a"]), "parameters": {"binary_data_output": "yes"}}},
+     "binary_data_output must be true or false"),
+    ("id not a string", {"json": {**json_body(["a"]), "id": 7}}, "'id' must be a string"),
+    ("binary bytes missing", {"json": _binary_input(9)}, "declares binary_data_size 9, but only 0 bytes"),
+    ("binary bytes short", _binary_request(_binary_input(9), _bytes_element(b"hi")),
+     "declares binary_data_size 9, but only 6 bytes"),
+    ("binary and data", _binary_request({"inputs": [{**_binary_input(6)["inputs"][0], "data": ["a"]}]},
+                                        _bytes_element(b"hi")), "both data and binary_data_size"),
+    ("binary length prefix past the end", _binary_request(_binary_input(6), b"\xff\x00\x00\x00hi"),
+     "element 0 declares 255 bytes but 2 remain"),
+    ("binary stray bytes", _binary_request(_binary_input(8), _bytes_element(b"hi") + b"xx"),
+     "2 stray bytes at the end"),
+    ("binary count mismatch", _binary_request(_binary_input(12, 3), _bytes_element(b"hi") * 2),
+     "The shape holds 3 elements but the binary data holds 2"),
+    ("trailing bytes", _binary_request(_binary_input(6), _bytes_element(b"hi") + b"extra"),
+     "5 unexpected bytes follow"),
+    ("bytes after plain JSON", _binary_request(json_body(["a"]), b"extra"), "no input has binary_data_size"),
+    ("header length not a number", {"content": json.dumps(json_body(["a"])).encode(),
+                                    "headers": {"Inference-Header-Content-Length": "ten"}},
+     "Inference-Header-Content-Length must be"),
+    ("header length past the body", {"content": json.dumps(json_body(["a"])).encode(),
+                                     "headers": {"Inference-Header-Content-Length": "99999"}},
+     "Inference-Header-Content-Length must be"),
+    ("text not utf-8", _binary_request(_binary_input(6), _bytes_element(b"\xff\xfe")),
+     "The message is not valid UTF-8 text."),
+    ("gzip that is not gzip", {"content": b"plain", "headers": {"Content-Encoding": "gzip"}},
+     "not valid gzip"),
+    ("truncated gzip", {"content": gzip.compress(json.dumps(json_body(["a"])).encode())[:20],
+                        "headers": {"Content-Encoding": "gzip"}}, "not one complete gzip stream"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "request_args", "message"), MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_requests_are_400_with_a_clear_message(
+    real_served: Served,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+    request_args: dict[str, Any],
+    message: str,
+) -> None:
+    with caplog.at_level("WARNING", logger="api.oip"):
+        response = real_served.post("/v2/models/text/infer", **request_args)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error and "Traceback" not in error
+    assert any(r.levelname == "WARNING" and "refused POST /v2/models/text/infer: 400" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def test_image_bytes_must_be_base64_or_binary(real: Served) -> None:
+    response = real.post("/v2/models/image/infer", json=json_body(["iVBORw0KGgo="]))
+    assert response.status_code == 400 and '"content_type": "base64"' in response.json()["error"]
+
+
+def test_encodings_of_the_body(serve_standin) -> None:
+    served = serve_standin()
+    bomb = gzip.compress(b" " * 10_000_000)  # 10 MB of JSON whitespace, ~10 KB on the wire
+    assert len(bomb) < _body_limit()
+    response = served.post("/v2/models/text/infer", content=bomb, headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 413
+    deflated = zlib.compress(json.dumps(json_body(["hello"])).encode())
+    response = served.post("/v2/models/text/infer", content=deflated, headers={"Content-Encoding": "deflate"})
+    assert response.status_code == 200 and response.json()["parameters"]["tier"] == "miss"
+    response = served.post("/v2/models/text/infer", content=b"{}", headers={"Content-Encoding": "br"})
+    assert response.status_code == 415 and "br" in response.json()["error"]
+
+
+# ---- the serving path -------------------------------------------------------------
+
+
+def test_request_log_and_metrics_carry_route_rest(serve_standin) -> None:
+    served = serve_standin()
+    served.client.infer("text", [text_input(["hello", "hello there"], binary=True)])
+    served.client.infer("text", [text_input(["hello"], binary=False)])
+    refusal(lambda: served.client.infer("text", [text_input([""], binary=True)]))
+    metrics = httpx.get(served.url + "/metrics").text
+    rest_lines = [line for line in metrics.splitlines()
+                  if line.startswith("infcache_requests_total{") and 'route="rest"' in line]  # fmt: skip
+    assert any('tier="miss"' in line and line.endswith(" 2.0") for line in rest_lines), rest_lines
+    assert any('tier="l1"' in line and line.endswith(" 1.0") for line in rest_lines), rest_lines
+    assert any('status="invalid"' in line for line in rest_lines), rest_lines
+
+    served.runtime.log_writer.flush()
+    db = make_engine(served.runtime.settings.effective_database_url)
+    try:
+        with db.connect() as conn:
+            rows = conn.execute(select(RequestRow.route, RequestRow.tier, RequestRow.status)
+                                .order_by(RequestRow.id)).all()  # fmt: skip
+    finally:
+        db.dispose()
+    assert sorted(rows, key=str) == sorted(
+        [("rest", "miss", "ok"), ("rest", "miss", "ok"), ("rest", "l1", "ok"), ("rest", None, "invalid")],
+        key=str,
+    )
+
+
+def test_a_slow_miss_blocks_neither_the_server_nor_hits(serve_standin) -> None:
+    served = serve_standin(models={"text": CountingTextModel(delay_s=1.5)})
+    body = json_body(["cached question"])
+    assert served.post("/v2/models/text/infer", json=body).status_code == 200  # now cached
+    slow = threading.Thread(target=served.post, args=("/v2/models/text/infer",),
+                            kwargs={"json": json_body(["slow miss"])})  # fmt: skip
+    slow.start()
+    time.sleep(0.3)  # the miss is in the model now
+    started = time.monotonic()
+    live = httpx.get(served.url + "/v2/health/live")
+    hit = served.post("/v2/models/text/infer", json=body)
+    elapsed = time.monotonic() - started
+    assert slow.is_alive(), "the miss finished early: nothing was in flight"
+    slow.join(timeout=30)
+    assert live.status_code == 200 and hit.json()["parameters"]["tier"] == "l1"
+    assert elapsed < 1.0, f"health and a hit took {elapsed:.2f}s behind a 1.5 s miss"

@@ -1,0 +1,164 @@
+"""Session state that costs what a call uses, not what the page holds.
+
+Gradio builds a `SessionState` for every session it sees, and its constructor renders
+the config of every component on the page (`BlocksConfig.config_for_block`); every call
+then renders its input and output components again to record their values. A call
+through `/gradio_api/call/<api>` that brings no `session_hash` (curl, the "Use via API"
+page, every new browser visitor's first call) is its own session, keyed by its event id:
+each one paid for the whole page (about half the server CPU of a cached answer, Gradio
+6.31) and stayed in memory (about 120 KB each, up to 10,000 sessions). On top of that,
+Gradio never forgets the bookkeeping of a call answered by its cache probe
+(`event_ids_to_events`, `pending_event_ids_session`).
+
+- `LeanSessionState` renders a component's config only when a deep link asks for the
+  page; until then a call's values are kept as plain values.
+- `LeanStateHolder` keeps one-shot sessions (keyed by their own event id) in a bounded
+  table of their own, so API load never evicts a browser's session, and once such a
+  call's answer has been delivered it drops the session and Gradio's bookkeeping of it.
+
+Both lean on Gradio internals pinned at gradio==6.31.0; `tests/test_lean_sessions.py`
+checks the attributes and behaviour they rely on, so an upgrade that changes them fails
+there first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from copy import copy
+from typing import TYPE_CHECKING, Any
+
+from gradio.state_holder import SessionState, StateHolder
+
+if TYPE_CHECKING:
+    from gradio.blocks import Blocks
+
+# One-shot sessions are dropped once their answer is delivered; these bound the rest
+# (a client that never fetches its answer): at most this many, for at most this long.
+ONE_SHOT_CAPACITY = 512
+ONE_SHOT_MAX_AGE_S = 300.0
+
+
+class LeanSessionState(SessionState):
+    """A `SessionState` that renders component configs only when they are read."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        # The attributes of SessionState.__init__, without rendering every block up front.
+        self.blocks_config = copy(blocks.default_config)
+        self._page_blocks = blocks.blocks
+        self.config_values: dict[int, Any] = {}
+        self.state_data: dict[int, Any] = {}
+        self._state_ttl: dict[int, Any] = {}
+        self.is_closed = False
+        self.STATE_TTL_WHEN_CLOSED = 1 if os.getenv("GRADIO_IS_E2E_TEST", None) else 3600
+        self._values: dict[int, Any] = {}  # a block's latest value, not yet in its config
+        self.created = time.monotonic()
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        self._values.pop(key, None)  # the new block's config supersedes an older value
+        super().__setitem__(key, value)
+
+    def _update_config(self, key: int) -> None:
+        self._values.pop(key, None)
+        super()._update_config(key)
+
+    def _update_value_in_config(self, key: int, value: Any) -> None:
+        if key in self.config_values:
+            super()._update_value_in_config(key, value)
+        else:
+            self._values[key] = value
+
+    @property
+    def components(self) -> Iterator[dict]:
+        """Every component's config with this session's values, as SessionState gives it."""
+        for key, block in self.blocks_config.blocks.items():
+            if key in self._page_blocks and key not in self.config_values:
+                self.config_values[key] = self.blocks_config.config_for_block(key, [], block)
+        for key, value in list(self._values.items()):
+            super()._update_value_in_config(key, value)
+        self._values.clear()
+        return SessionState.components.fget(self)  # type: ignore[attr-defined]
+
+
+class LeanStateHolder(StateHolder):
+    """A `StateHolder` that makes `LeanSessionState`s and keeps one-shot ones apart."""
+
+    def __init__(
+        self,
+        *,
+        one_shot_capacity: int = ONE_SHOT_CAPACITY,
+        one_shot_max_age_s: float = ONE_SHOT_MAX_AGE_S,
+    ) -> None:
+        super().__init__()
+        self.one_shot: OrderedDict[str, LeanSessionState] = OrderedDict()
+        self.one_shot_capacity = one_shot_capacity
+        self.one_shot_max_age_s = one_shot_max_age_s
+
+    def __getitem__(self, session_id: str) -> SessionState:
+        if session_id not in self.session_data:
+            if session_id in self.one_shot or self._is_one_shot(session_id):
+                return self._one_shot_state(session_id)
+            self.session_data[session_id] = LeanSessionState(self.blocks)
+        self.update(session_id)
+        self.time_last_used[session_id] = datetime.datetime.now()
+        return self.session_data[session_id]
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self.session_data or session_id in self.one_shot
+
+    def _is_one_shot(self, session_id: str) -> bool:
+        # Gradio keys a call that brought no session hash by its own event id.
+        queue = getattr(self.blocks, "_queue", None)
+        event = queue.event_ids_to_events.get(session_id) if queue is not None else None
+        return event is not None and event._id == event.session_hash
+
+    def _one_shot_state(self, session_id: str) -> SessionState:
+        with self.lock:
+            state = self.one_shot.get(session_id)
+            if state is None:
+                self.sweep()
+                state = self.one_shot[session_id] = LeanSessionState(self.blocks)
+            return state
+
+    def sweep(self) -> None:
+        """Forget the oldest one-shot sessions whose answer was delivered (or that are
+        over the bounds). Calls end roughly in order, so this stops at the first one
+        still running: amortised O(1) per call."""
+        queue = self.blocks._queue
+        now = time.monotonic()
+        while self.one_shot:
+            session_id, state = next(iter(self.one_shot.items()))
+            delivered = not queue.pending_event_ids_session.get(session_id)
+            if not (
+                delivered
+                or len(self.one_shot) >= self.one_shot_capacity
+                or now - state.created > self.one_shot_max_age_s
+            ):
+                return
+            del self.one_shot[session_id]
+            if delivered:
+                _forget_delivered_call(queue, session_id)
+
+
+def _forget_delivered_call(queue: Any, session_id: str) -> None:
+    """Gradio's own records of a one-shot call whose answer the client has read."""
+    queue.pending_event_ids_session.pop(session_id, None)
+    queue.pending_messages_per_session.pop(session_id, None)
+    # A call answered by the cache probe never leaves this table in Gradio 6.31.
+    event = queue.event_ids_to_events.get(session_id)
+    if event is not None and all(event not in q.queue for q in queue.event_queue_per_concurrency_id.values()):
+        queue.event_ids_to_events.pop(session_id, None)
+
+
+def install_lean_sessions(mounted_app: Any, blocks: Blocks) -> LeanStateHolder:
+    """Give `blocks` one `LeanStateHolder`, shared by the mounted Gradio app
+    (`gradio.routes.App`, which serves requests) and `blocks.app` (the one `queue()`
+    built, through which the queue runs its cache probes)."""
+    holder = LeanStateHolder()
+    holder.set_blocks(blocks)
+    for app in (mounted_app, blocks.app):
+        app.state_holder = holder
+    return holder
