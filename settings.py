@@ -67,6 +67,19 @@ def _admin_token(env: Mapping[str, str]) -> str | None:
     return token
 
 
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# Concurrent forward passes per model that does not batch: on the CPU as many as there are
+# cores (a pass uses about one; more only contend), on CUDA a few (kernels of small passes
+# overlap; more queue on the device).
+MISS_CONCURRENCY_CUDA = 4
+
+
 @dataclass(frozen=True)
 class Settings:
     port: int = 7860
@@ -99,6 +112,17 @@ class Settings:
     # Concurrent misses of a model that batches (the text model) share one forward pass of
     # at most this many inputs; 1 turns batching off.
     batch_max_size: int = 8
+    # How many misses of one model run at once (models that batch run one pass at a time and
+    # admit at least a full batch), by the device the model is on.
+    miss_concurrency_cpu: int = field(default_factory=lambda: min(4, usable_cores()))
+    miss_concurrency_cuda: int = MISS_CONCURRENCY_CUDA
+    # At start-up, how long readiness waits for Redis before it declares the replica ready
+    # without L2 (it keeps serving from L1 and the model; the breaker finds Redis later).
+    ready_l2_wait_s: float = 10.0
+
+    def miss_concurrency_for(self, device: str) -> int:
+        """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
+        return self.miss_concurrency_cuda if device.startswith("cuda") else self.miss_concurrency_cpu
 
     @property
     def l2_disabled(self) -> bool:
@@ -137,6 +161,9 @@ class Settings:
             cache_ttl_s=_int(env, "CACHE_TTL_S", 86400, minimum=1),
             cache_negative_ttl_s=_int(env, "CACHE_NEGATIVE_TTL_S", 60, minimum=1),
             batch_max_size=_int(env, "BATCH_MAX_SIZE", 8, minimum=1),
+            miss_concurrency_cpu=_int(env, "MISS_CONCURRENCY_CPU", min(4, usable_cores()), minimum=1),
+            miss_concurrency_cuda=_int(env, "MISS_CONCURRENCY_CUDA", MISS_CONCURRENCY_CUDA, minimum=1),
+            ready_l2_wait_s=_float(env, "READY_L2_WAIT_S", 10.0, minimum=0.0),
             redis_socket_timeout_s=_float(env, "REDIS_SOCKET_TIMEOUT_S", 0.25, minimum=0.01),
             redis_maxmemory_mb=_int(env, "REDIS_MAXMEMORY_MB", 256, minimum=1),
             breaker_failure_threshold=_int(env, "BREAKER_FAILURE_THRESHOLD", 1, minimum=1),

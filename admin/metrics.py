@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.service import InferenceEngine, RequestRecord
@@ -16,6 +16,7 @@ from storage.log_writer import RequestLogWriter
 LATENCY_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                      0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
 BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class _CacheStateCollector(Collector):
@@ -23,7 +24,7 @@ class _CacheStateCollector(Collector):
         self._engine = engine
         self._writer = writer
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         state = self._engine.cache_state()
         counters = self._engine.counters()
         yield GaugeMetricFamily("infcache_l1_bytes", "Bytes held by the L1 cache", value=state["l1"]["bytes"])
@@ -51,6 +52,7 @@ class _CacheStateCollector(Collector):
             calls.add_metric([task], counters.model_calls.get(task, 0))
         yield seconds
         yield calls
+        yield batch_size_histogram(counters.batch_sizes)
         if self._writer is not None:
             writer = self._writer.stats()
             yield CounterMetricFamily("infcache_log_rows_dropped", "Request-log rows dropped",
@@ -58,6 +60,21 @@ class _CacheStateCollector(Collector):
             yield GaugeMetricFamily(
                 "infcache_log_queue_depth", "Request-log rows waiting", value=writer.queued
             )
+
+
+def batch_size_histogram(batch_sizes: dict[str, dict[int, int]]) -> HistogramMetricFamily:
+    """Inputs per forward pass, per task, from the engine's exact counts by size."""
+    family = HistogramMetricFamily(
+        "infcache_batch_size", "Inputs per model forward pass", labels=["task"]
+    )
+    for task, by_size in batch_sizes.items():
+        buckets = [
+            (str(bound), sum(n for size, n in by_size.items() if size <= bound))
+            for bound in BATCH_SIZE_BUCKETS
+        ]
+        buckets.append(("+Inf", sum(by_size.values())))
+        family.add_metric([task], buckets, sum_value=sum(size * n for size, n in by_size.items()))
+    return family
 
 
 class Metrics:

@@ -55,6 +55,7 @@ def stat_cards(data: dict[str, Any]) -> str:
         ("L1", f"{cache['l1']['entries']:,} entries · {cache['l1']['bytes'] / 1e6:.2f} MB"),
         ("L2 (Redis)", l2_detail),
         ("Generation", str(cache["generation"])),
+        ("Forward passes · mean batch", _batch_card(cache.get("batches", {}))),
         ("Log rows dropped", f"{data['log_writer']['dropped']:,}"),
     ]  # fmt: skip
     cards = "".join(
@@ -63,6 +64,14 @@ def stat_cards(data: dict[str, Any]) -> str:
         for name, value in rows
     )
     return f'<div class="stat-cards">{cards}</div>'
+
+
+def _batch_card(batches: dict[str, Any]) -> str:
+    parts = [
+        f"{task} {b['passes']:,} · {b['mean_size'] if b['mean_size'] is not None else '–'}"
+        for task, b in sorted(batches.items())
+    ]
+    return " / ".join(parts) or "–"
 
 
 def _audit_table(admin: AdminService) -> list[list[str]]:

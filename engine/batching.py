@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from engine.models.base import Classifier, Prediction
@@ -46,10 +46,13 @@ class _Waiter:
 class MicroBatcher:
     """One model's queue of misses. Thread-safe; owned by the engine."""
 
-    def __init__(self, model: Classifier, *, max_batch: int) -> None:
+    def __init__(
+        self, model: Classifier, *, max_batch: int, on_pass: Callable[[int], None] | None = None
+    ) -> None:
         if max_batch < 2:
             raise ValueError("max_batch must be >= 2 (1 means: do not batch)")
         self._model = model
+        self._on_pass = on_pass  # told each forward pass's size (for the batch-size histogram)
         self._max_batch = max_batch
         self._cond = threading.Condition()
         self._waiting: deque[_Waiter] = deque()
@@ -84,6 +87,8 @@ class MicroBatcher:
 
     def _run(self, batch: Sequence[_Waiter]) -> None:
         started = time.perf_counter()
+        if self._on_pass is not None:
+            self._on_pass(len(batch))
         try:
             predictions = self._model.predict_batch([w.item for w in batch])
             if len(predictions) != len(batch):

@@ -4,6 +4,7 @@ and closes them in reverse order. `app.py`, tests and benchmarks all start here.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from admin.auth import AdminAuth, generate_token
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
+from engine.errors import CacheUnavailableError
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.models.base import Classifier
 from engine.service import CachePolicy, InferenceEngine
@@ -58,6 +60,25 @@ class Runtime:
 
     def close(self) -> None:
         self._stack.close()
+
+    def wait_for_l2(self, timeout_s: float, *, poll_s: float = 0.25) -> bool:
+        """Whether Redis answered within `timeout_s` (True at once without L2). Start-up
+        readiness waits on this; afterwards a Redis outage is the breaker's business."""
+        store = self.engine.l2_store()
+        if store is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if store.ping():
+                    return True
+            except CacheUnavailableError:
+                pass
+            if time.monotonic() >= deadline:
+                log.warning("Redis did not answer within %.1f s of start-up: ready without L2 for now",
+                            timeout_s)  # fmt: skip
+                return False
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
     def __enter__(self) -> Runtime:
         return self
@@ -117,6 +138,7 @@ def build_runtime(
         engine = InferenceEngine(
             models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice,
             batch_max_size=settings.batch_max_size,
+            miss_concurrency={task: settings.miss_concurrency_for(m.device) for task, m in loaded.items()},
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
         if isinstance(generation, RedisGeneration):

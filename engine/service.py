@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 from engine.batching import MicroBatcher
@@ -107,6 +108,8 @@ class EngineCounters:
     l2_errors: int = 0
     model_calls: dict[str, int] = field(default_factory=dict)
     model_seconds: dict[str, float] = field(default_factory=dict)
+    # task -> inputs per forward pass -> passes (1 for models that do not batch)
+    batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -144,14 +147,24 @@ class InferenceEngine:
         l2_notice: str | None = None,
         clock: Callable[[], float] = time.time,
         batch_max_size: int = 1,
+        miss_concurrency: Mapping[str, int] | None = None,
     ) -> None:
         self._models = dict(models)
-        # Only models that gain from it batch (see engine.batching); the others run as they come.
+        # Only models that gain from it batch (see engine.batching): one pass at a time, the
+        # misses that wait meanwhile share the next. The others run up to their limit at once.
         self._batchers = {
-            task: MicroBatcher(model, max_batch=batch_max_size)
+            task: MicroBatcher(model, max_batch=batch_max_size, on_pass=partial(self._count_pass, task))
             for task, model in self._models.items()
             if batch_max_size > 1 and getattr(model, "batch_misses", False)
         }
+        limits = dict(miss_concurrency or {})
+        self._miss_limits = {task: max(1, limits.get(task, 1)) for task in self._models}
+        self._pass_slots = {
+            task: threading.BoundedSemaphore(self._miss_limits[task])
+            for task in self._models
+            if task not in self._batchers
+        }
+        self._batch_max_size = batch_max_size
         self._l1 = l1
         self._l2 = l2
         self._generation = generation
@@ -162,6 +175,7 @@ class InferenceEngine:
         self._counters = EngineCounters(
             model_calls={task: 0 for task in self._models},
             model_seconds={task: 0.0 for task in self._models},
+            batch_sizes={task: {} for task in self._models},
         )
         self._counter_lock = threading.Lock()
         self._listeners: list[RequestListener] = []
@@ -178,6 +192,13 @@ class InferenceEngine:
     @property
     def generation(self) -> int:
         return self._generation.current
+
+    def admission_limit(self, task: str) -> int:
+        """How many requests of a task may be inside the engine at once so that its
+        misses use the model fully: its concurrent passes, or a full batch to share one."""
+        if task in self._batchers:
+            return max(self._miss_limits[task], self._batch_max_size)
+        return self._miss_limits[task]
 
     def add_listener(self, listener: RequestListener) -> None:
         self._listeners.append(listener)
@@ -259,6 +280,7 @@ class InferenceEngine:
                    "evictions": mem.evictions},
             "models": {t: {"name": m.name, "version": m.version, "device": m.device}
                        for t, m in self._models.items()},
+            "batches": self.batch_summary(),
         }  # fmt: skip
         if self._l2 is None:
             state["l2"] = {"state": "disabled", "breaker": None, "notice": self._l2_notice}
@@ -267,6 +289,24 @@ class InferenceEngine:
             state["l2"] = {"state": l2.state, "breaker": l2.breaker, "failures": l2.failures,
                            "notice": self._l2_notice}  # fmt: skip
         return state
+
+    def batch_summary(self) -> dict[str, dict[str, Any]]:
+        """Per task: forward passes so far, inputs per pass (mean, largest), and the limits."""
+        with self._counter_lock:
+            sizes = {task: dict(by_size) for task, by_size in self._counters.batch_sizes.items()}
+        summary = {}
+        for task, by_size in sizes.items():
+            passes = sum(by_size.values())
+            inputs = sum(size * n for size, n in by_size.items())
+            summary[task] = {
+                "passes": passes,
+                "mean_size": round(inputs / passes, 3) if passes else None,
+                "max_size": max(by_size, default=None),
+                "batched": task in self._batchers,
+                "concurrent_passes": 1 if task in self._batchers else self._miss_limits[task],
+                "admitted": self.admission_limit(task),
+            }
+        return summary
 
     def counters(self) -> EngineCounters:
         with self._counter_lock:
@@ -393,7 +433,10 @@ class InferenceEngine:
                 prediction, batch_size, forward_s = batcher.predict(canonical)
                 share = 1.0 / batch_size
             else:
-                prediction = model.predict_batch([canonical])[0]
+                with self._pass_slots[model.task]:
+                    model_started = time.perf_counter()  # the pass, not the wait for a slot
+                    self._count_pass(model.task, 1)
+                    prediction = model.predict_batch([canonical])[0]
         except InvalidInputError:
             raise
         except Exception as exc:
@@ -483,6 +526,11 @@ class InferenceEngine:
             self._count("l2_errors")
 
     # ---- bookkeeping ------------------------------------------------------
+
+    def _count_pass(self, task: str, size: int) -> None:
+        with self._counter_lock:
+            sizes = self._counters.batch_sizes[task]
+            sizes[size] = sizes.get(size, 0) + 1
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._counter_lock:

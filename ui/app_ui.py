@@ -170,6 +170,15 @@ def live_stats_text(engine: InferenceEngine) -> str:
     )
 
 
+def _miss_lane(engine: InferenceEngine, task: str) -> dict[str, Any]:
+    """Gradio queue settings for a task's event: as many at once as the engine admits
+    (concurrent passes, or a full batch), in a lane of its own so image misses never
+    hold text ones back. Hits never queue: the queue's cache probe answers them first."""
+    if task not in engine.models:
+        return {}
+    return {"concurrency_limit": engine.admission_limit(task), "concurrency_id": f"classify_{task}"}
+
+
 def build_demo(
     engine: InferenceEngine,
     *,
@@ -211,7 +220,7 @@ def build_demo(
                     gr.Examples(examples=[str(p) for p in photos], inputs=image_in)
                 image_event = image_btn.click(
                     callbacks["classify_image"], inputs=image_in, outputs=[image_label, image_info],
-                    api_name="classify_image",
+                    api_name="classify_image", **_miss_lane(engine, "image"),
                 )  # fmt: skip
                 image_event.then(badge_text, inputs=image_info, outputs=image_badge,
                                  api_visibility="private", queue=False)  # fmt: skip
@@ -231,7 +240,7 @@ def build_demo(
                                         f"{text_model.device}<br>Intents: {intents}</small>")  # fmt: skip
                 text_event = gr.on(
                     [text_btn.click, text_in.submit], callbacks["classify_text"], inputs=text_in,
-                    outputs=[text_label, text_info], api_name="classify_text",
+                    outputs=[text_label, text_info], api_name="classify_text", **_miss_lane(engine, "text"),
                 )  # fmt: skip
                 text_event.then(badge_text, inputs=text_info, outputs=text_badge,
                                 api_visibility="private", queue=False)  # fmt: skip

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 # (a client that never fetches its answer): at most this many, for at most this long.
 ONE_SHOT_CAPACITY = 512
 ONE_SHOT_MAX_AGE_S = 300.0
+# Every this many calls, forget answered events of any session (see _forget_answered_events).
+EVENT_SWEEP_EVERY = 256
 
 
 class LeanSessionState(SessionState):
@@ -96,8 +98,12 @@ class LeanStateHolder(StateHolder):
         self.one_shot: OrderedDict[str, LeanSessionState] = OrderedDict()
         self.one_shot_capacity = one_shot_capacity
         self.one_shot_max_age_s = one_shot_max_age_s
+        self._calls = 0
 
     def __getitem__(self, session_id: str) -> SessionState:
+        self._calls += 1
+        if self._calls % EVENT_SWEEP_EVERY == 0:
+            _forget_answered_events(self.blocks._queue)
         if session_id not in self.session_data:
             if session_id in self.one_shot or self._is_one_shot(session_id):
                 return self._one_shot_state(session_id)
@@ -151,6 +157,17 @@ def _forget_delivered_call(queue: Any, session_id: str) -> None:
     event = queue.event_ids_to_events.get(session_id)
     if event is not None and all(event not in q.queue for q in queue.event_queue_per_concurrency_id.values()):
         queue.event_ids_to_events.pop(session_id, None)
+
+
+def _forget_answered_events(queue: Any) -> None:
+    """Drop events whose answer has been delivered from `event_ids_to_events`: Gradio
+    removes the ones it ran from its queue, but never one its cache probe answered,
+    whatever the session (a gradio_client keeps one session for all its calls)."""
+    queued = {event._id for q in queue.event_queue_per_concurrency_id.values() for event in q.queue}
+    for event_id, event in list(queue.event_ids_to_events.items()):
+        pending = queue.pending_event_ids_session.get(event.session_hash, ())
+        if event_id not in pending and event_id not in queued:
+            queue.event_ids_to_events.pop(event_id, None)
 
 
 def install_lean_sessions(mounted_app: Any, blocks: Blocks) -> LeanStateHolder:

@@ -16,11 +16,12 @@ from starlette.routing import Mount
 from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
 from api import build_oip_router, oip_body_limit
-from engine.runtime import Runtime
+from engine.runtime import Runtime, build_runtime
 from settings import Settings
 from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos
 from ui.lean_sessions import install_lean_sessions
+from ui.startup import ServingApp
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def build_app(runtime: Runtime) -> FastAPI:
         max_upload_bytes=settings.max_upload_bytes,
         admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth),
     )
+    # Classify events set their own limits (see ui.app_ui._miss_lane); the console's run one at a time.
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
     gr.mount_gradio_app(  # mounts onto `app` and returns it
         app,
@@ -112,11 +114,23 @@ class BackgroundServer:
         self.close()
 
 
-def serve(runtime: Runtime) -> None:
-    """Blocks until the process is told to stop (SIGINT/SIGTERM handled by uvicorn)."""
-    settings = runtime.settings
+def serve(settings: Settings) -> None:
+    """Listens at once, builds the runtime and the app behind a readiness gate, and blocks
+    until the process is told to stop (SIGINT/SIGTERM handled by uvicorn). Exits non-zero
+    when start-up fails."""
+    server: uvicorn.Server | None = None
+
+    def stop(_failure: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    serving = ServingApp(settings, build_runtime=build_runtime, build_app=build_app, on_failure=stop)
     # Open event streams (a browser tab, a gradio_client) must not hold a redeploy hostage.
-    uvicorn.run(
-        build_app(runtime), host=settings.host, port=settings.port, log_level="info",
+    config = uvicorn.Config(
+        serving, host=settings.host, port=settings.port, log_level="info", lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )  # fmt: skip
+    server = uvicorn.Server(config)
+    server.run()
+    if serving.failure is not None:
+        raise SystemExit(1)

@@ -69,8 +69,6 @@ class ImageClassifier:
     task = "image"
     name = "efficientnet-lite0"
     cheap_canonicalize = False  # decoding is real work: never in the queue's pre-check
-    # On the CPU a batch costs the same per image; concurrent passes use the cores better.
-    batch_misses = False
 
     def __init__(
         self,
@@ -89,6 +87,9 @@ class ImageClassifier:
             raise ModelLoadError(f"image weights not found at {weights_path}")
         self._torch_device = select_device(device)
         self.device = describe(self._torch_device)
+        # On the CPU a batch costs the same per image and concurrent passes use the cores
+        # better; on CUDA one batched pass beats several small ones.
+        self.batch_misses = self._torch_device.type == "cuda"
         self._dtype = torch.float16 if half_precision and self._torch_device.type == "cuda" else torch.float32
         self._max_upload_bytes = max_upload_bytes
         self._max_image_pixels = max_image_pixels

@@ -1,0 +1,159 @@
+"""What uvicorn serves: it listens at once and is honest about readiness.
+
+While the runtime (models, stores) and the app are built in the background,
+`ServingApp` answers `/healthz` and `/v2/health/live` (the process is alive),
+`/readyz` and every other `/v2` or API path with 503, and the page with a loading
+notice that reloads itself. Once everything is up (and Redis has answered, or
+`READY_L2_WAIT_S` has passed) every request goes to the app.
+
+It also routes: API paths go to the FastAPI app, everything else straight to the
+Gradio app mounted in it, so a Gradio call does not first walk the API routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from contextlib import AsyncExitStack
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.routing import Mount
+
+from engine.runtime import Runtime
+from settings import Settings
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Paths served by the FastAPI routes (admin, health, metrics, REST); the rest is Gradio's.
+API_PREFIXES = ("/v2", "/admin/api", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+ALIVE_PATHS = ("/healthz", "/v2/health/live")
+RETRY_AFTER_S = "2"
+
+LOADING_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="2">
+<title>Inference cache: starting</title>
+<style>body{font-family:system-ui,sans-serif;margin:4rem auto;max-width:36rem;color:#333}</style>
+</head><body><h1>Inference result cache</h1>
+<p id="loading-notice">{notice}</p><p>This page reloads by itself.</p></body></html>
+"""
+
+
+class ServingApp:
+    """The ASGI app: a start-up gate in front of the app that `build_app(runtime)` makes."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        build_runtime: Callable[[Settings], Runtime],
+        build_app: Callable[[Runtime], FastAPI],
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._build_runtime = build_runtime
+        self._build_app = build_app
+        self._on_failure = on_failure
+        self._app: FastAPI | None = None
+        self._gradio: Any = None  # the mounted Gradio app, reached without the API routes
+        self._starting: asyncio.Task[None] | None = None
+        self._stack = AsyncExitStack()
+        self.runtime: Runtime | None = None
+        self.failure: BaseException | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._app is not None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        app = self._app
+        if app is None:
+            await self._not_ready(scope, receive, send)
+        elif self._gradio is not None and not scope["path"].startswith(API_PREFIXES):
+            await self._gradio(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    # ---- start and stop -------------------------------------------------------
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self._starting = asyncio.create_task(self._start())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self._stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _start(self) -> None:
+        try:
+            runtime = await asyncio.to_thread(self._build_runtime, self._settings)
+            self.runtime = runtime
+            self._stack.push_async_callback(asyncio.to_thread, runtime.close)
+            app = await asyncio.to_thread(self._build_app, runtime)
+            # The app's lifespan starts Gradio's queue; uvicorn ran ours long before.
+            await self._stack.enter_async_context(app.router.lifespan_context(app))
+            await asyncio.to_thread(runtime.wait_for_l2, self._settings.ready_l2_wait_s)
+            self._gradio = next((r.app for r in app.routes if isinstance(r, Mount) and r.path == ""), None)
+            self._app = app
+            log.info("ready: serving on port %s", self._settings.port)
+        except Exception as exc:
+            log.exception("start-up failed")
+            self.failure = exc
+            if self._on_failure is not None:
+                self._on_failure(exc)
+
+    async def _stop(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            await asyncio.shield(self._starting)  # a half-built runtime is closed, not abandoned
+        self._app = self._gradio = None
+        await self._stack.aclose()
+
+    # ---- while not ready --------------------------------------------------------
+
+    async def _not_ready(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1013})  # try again later
+            return
+        path = scope["path"]
+        failed = self.failure is not None
+        notice = (
+            "Start-up failed; the server log says why."
+            if failed
+            else "Loading the models and connecting the cache…"
+        )
+        if path in ALIVE_PATHS:
+            await _respond(send, 200, {"status": "ok"})
+        elif path == "/readyz":
+            await _respond(send, 503, {"status": "failed" if failed else "starting", "detail": notice})
+        elif path == "/" and scope.get("method") in ("GET", "HEAD"):
+            page = LOADING_PAGE.replace("{notice}", notice).encode()
+            await _respond(send, 503 if failed else 200, page, content_type="text/html; charset=utf-8")
+        else:
+            await _respond(send, 503, {"error": notice})
+
+
+async def _respond(send: Send, status: int, body: Any, *, content_type: str = "application/json") -> None:
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = [
+        (b"content-type", content_type.encode()),
+        (b"content-length", str(len(payload)).encode()),
+        (b"cache-control", b"no-store"),
+    ]
+    if status == 503:
+        headers.append((b"retry-after", RETRY_AFTER_S.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
