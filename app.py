@@ -1,17 +1,19 @@
 """Entry point (Hugging Face Spaces runs `python app.py`): settings, then serve (which
-listens at once and builds the runtime and the UI behind a readiness gate)."""
+listens at once and builds the runtime, with the composition root's `build_runtime`
+beside this file, and the UI behind a readiness gate)."""
 
 from __future__ import annotations
 
 import logging
 
+from runtime import build_runtime
 from settings import Settings
 from ui.server import serve
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(Settings.from_env())
+    serve(Settings.from_env(), build_runtime=build_runtime)
 
 
 if __name__ == "__main__":

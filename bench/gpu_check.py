@@ -45,7 +45,7 @@ from bench.models import (
 from bench.workload.inputs import make_images, make_messages, zipf_stream
 from engine.models.image import ImageClassifier
 from engine.models.text import TextClassifier
-from engine.runtime import Runtime, build_runtime
+from runtime import Runtime, build_runtime
 from settings import Settings
 
 Job = tuple[str, Any]  # (task, raw input as a user sends it)

@@ -41,7 +41,7 @@ import redis
 from bench.models import format_table
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import Classifier, Prediction
-from engine.runtime import Runtime, build_runtime
+from runtime import Runtime, build_runtime
 from settings import Settings
 from storage.embedded_redis import EmbeddedRedis, free_port
 

@@ -34,7 +34,7 @@ import torch
 from engine.inputs import CanonicalImage, CanonicalText
 from engine.models.image import ImageClassifier
 from engine.models.text import MAX_TOKENS, TextClassifier
-from engine.runtime import load_models
+from runtime import load_models
 from settings import Settings
 
 # Eight photos, so that batch 8 holds eight different pictures (camera.png is greyscale).

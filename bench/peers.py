@@ -250,7 +250,7 @@ class Ours:
     has_l2 = True
 
     def __init__(self, models: Mapping[str, Any], settings: Any, name: str = "ours") -> None:
-        from engine.runtime import build_runtime
+        from runtime import build_runtime
 
         self.name = name
         self._build = functools.partial(build_runtime, settings, models=dict(models))

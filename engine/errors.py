@@ -9,9 +9,17 @@ InferenceCacheError
 
 from __future__ import annotations
 
+# The base and the cache error live on the bottom floor, where the stores raise them;
+# they are the same classes here, so `except CacheUnavailableError` catches either import.
+from storage.errors import CacheUnavailableError, InferenceCacheError
 
-class InferenceCacheError(Exception):
-    """Base of every error this project raises on purpose."""
+__all__ = [
+    "CacheUnavailableError",
+    "InferenceCacheError",
+    "InvalidInputError",
+    "ModelError",
+    "ModelLoadError",
+]
 
 
 class InvalidInputError(InferenceCacheError):
@@ -41,7 +49,3 @@ class ModelError(InferenceCacheError):
 
 class ModelLoadError(ModelError):
     """Weights could not be loaded onto the architecture."""
-
-
-class CacheUnavailableError(InferenceCacheError):
-    """A cache tier (Redis) is down, slow or switched off."""

@@ -15,8 +15,8 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
-from engine.errors import CacheUnavailableError
 from storage.breaker import BreakerState, CircuitBreaker
+from storage.errors import CacheUnavailableError
 
 log = logging.getLogger(__name__)
 

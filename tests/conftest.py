@@ -13,7 +13,7 @@ import pytest
 from engine.errors import ModelError
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import Prediction
-from engine.runtime import Runtime, build_runtime, load_models
+from runtime import Runtime, build_runtime, load_models
 from settings import Settings
 from storage.embedded_redis import EmbeddedRedis, free_port
 

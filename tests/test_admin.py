@@ -20,7 +20,7 @@ from admin.auth import AdminAuth, AuthOutcome, bearer_token, token_fingerprint
 from admin.charts import all_figures
 from admin.tab import make_callbacks as make_admin_callbacks
 from engine.errors import InvalidInputError
-from engine.runtime import Runtime
+from runtime import Runtime
 from storage.embedded_redis import EmbeddedRedis
 from storage.log_writer import RequestLogWriter
 from storage.sql import RequestRow, make_engine, migrate

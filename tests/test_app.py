@@ -14,7 +14,7 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
 from bench.gradio_http import GradioHttpClient, Reply, file_data
-from engine.runtime import Runtime
+from runtime import Runtime
 from storage.embedded_redis import EmbeddedRedis
 from tests.conftest import CountingTextModel, free_port
 from ui.server import BackgroundServer, build_app

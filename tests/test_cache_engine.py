@@ -16,8 +16,8 @@ import redis
 from PIL import Image
 
 from engine.errors import InvalidInputError, ModelError
-from engine.runtime import Runtime
 from engine.service import ProbeMiss
+from runtime import Runtime
 from storage.embedded_redis import EmbeddedRedis
 from tests.conftest import CountingTextModel, FailingModel
 

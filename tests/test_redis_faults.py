@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from engine.runtime import Runtime
+from runtime import Runtime
 from storage.embedded_redis import EmbeddedRedis
 from tests.conftest import CountingTextModel, free_port
 

@@ -25,7 +25,7 @@ from sqlalchemy import select
 from tritonclient.utils import InferenceServerException
 
 from api import build_oip_router, oip_body_limit
-from engine.runtime import Runtime, build_runtime
+from runtime import Runtime, build_runtime
 from settings import Settings
 from storage.embedded_redis import EmbeddedRedis
 from storage.sql import RequestRow, make_engine

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from engine.runtime import build_runtime
+from runtime import build_runtime
 from settings import Settings, SettingsError
 from storage.embedded_redis import answers_ping
 from tests.conftest import CountingTextModel
@@ -75,7 +75,7 @@ def test_private_redis_when_redis_url_is_unset(base_settings, redis_binary, tmp_
 
 
 def test_l1_only_with_a_notice_when_redis_server_is_missing(base_settings, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr("engine.runtime.find_redis_server", lambda: None)
+    monkeypatch.setattr("runtime.find_redis_server", lambda: None)
     settings = replace(base_settings, redis_url=None, data_dir=tmp_path / "d")
     with build_runtime(settings, models={"text": CountingTextModel()}) as runtime:
         state = runtime.engine.cache_state()["l2"]

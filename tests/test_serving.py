@@ -16,7 +16,7 @@ import pytest
 from bench.gradio_http import GradioHttpClient
 from engine.inputs import CanonicalText
 from engine.models.base import Prediction
-from engine.runtime import Runtime, build_runtime
+from runtime import Runtime, build_runtime
 from settings import Settings
 from storage.embedded_redis import EmbeddedRedis, free_port
 from tests.conftest import CountingTextModel

@@ -17,10 +17,10 @@ from engine.codec import (
     decode,
     encode,
 )
-from engine.errors import CacheUnavailableError
 from engine.models.base import Prediction
 from storage.breaker import BreakerState, CircuitBreaker
 from storage.embedded_redis import EmbeddedRedis
+from storage.errors import CacheUnavailableError
 from storage.memory import MemoryStore
 from storage.redis_store import RedisStore, escape_glob, make_client
 

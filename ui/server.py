@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import gradio as gr
 import uvicorn
@@ -16,12 +17,11 @@ from starlette.routing import Mount
 from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
 from api import build_oip_router, oip_body_limit
-from engine.runtime import Runtime, build_runtime
 from settings import Settings
 from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos
 from ui.lean_sessions import install_lean_sessions
-from ui.startup import ServingApp
+from ui.startup import Runtime, ServingApp
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +114,10 @@ class BackgroundServer:
         self.close()
 
 
-def serve(settings: Settings) -> None:
-    """Listens at once, builds the runtime and the app behind a readiness gate, and blocks
-    until the process is told to stop (SIGINT/SIGTERM handled by uvicorn). Exits non-zero
-    when start-up fails."""
+def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -> None:
+    """Listens at once, builds the runtime (with `build_runtime`, which `app.py` takes from
+    the composition root) and the app behind a readiness gate, and blocks until the process
+    is told to stop (SIGINT/SIGTERM handled by uvicorn). Exits non-zero when start-up fails."""
     server: uvicorn.Server | None = None
 
     def stop(_failure: BaseException) -> None:

@@ -17,12 +17,15 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from starlette.routing import Mount
 
-from engine.runtime import Runtime
+from admin.auth import AdminAuth
+from admin.metrics import Metrics
+from admin.service import AdminService
+from engine.service import InferenceEngine
 from settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,21 @@ LOADING_PAGE = """<!doctype html>
 </head><body><h1>Inference result cache</h1>
 <p id="loading-notice">{notice}</p><p>This page reloads by itself.</p></body></html>
 """
+
+
+class Runtime(Protocol):
+    """What the app is built from: the composition root's `runtime.Runtime` (top floor),
+    described here so that ui/ imports nothing above itself."""
+
+    settings: Settings
+    engine: InferenceEngine
+    admin: AdminService
+    auth: AdminAuth
+    metrics: Metrics
+
+    def wait_for_l2(self, timeout_s: float) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class ServingApp:

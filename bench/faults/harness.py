@@ -346,7 +346,7 @@ def build_context(
         for app in apps:
             app.start()
         if models is None:
-            from engine.runtime import load_models
+            from runtime import load_models
 
             _quiet()
             models = load_models(replace(Settings.from_env({}), device="auto"))

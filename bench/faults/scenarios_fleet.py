@@ -28,7 +28,7 @@ from settings import Settings
 def single_flight(run: Run) -> None:
     """200 concurrent requests for one new input: in one engine (threads), then over HTTP."""
     ctx, callers = run.ctx, run.ctx.sizes.flight_callers
-    from engine.runtime import build_runtime
+    from runtime import build_runtime
 
     settings = replace(
         Settings.from_env({}),

@@ -1,5 +1,6 @@
-"""The composition root: builds every long-lived resource from Settings, owns them,
-and closes them in reverse order. `app.py`, tests and benchmarks all start here."""
+"""The composition root, on the top floor beside `app.py` (the one module that knows every
+package): builds every long-lived resource from Settings, owns them, and closes them in
+reverse order. `app.py`, tests and benchmarks all start here."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from dataclasses import dataclass, field
 from admin.auth import AdminAuth, generate_token
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
-from engine.errors import CacheUnavailableError
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.models.base import Classifier
 from engine.service import CachePolicy, InferenceEngine
 from settings import Settings
 from storage.breaker import CircuitBreaker
 from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
+from storage.errors import CacheUnavailableError
 from storage.log_writer import RequestLogWriter
 from storage.memory import MemoryStore
 from storage.redis_store import RedisStore, make_client
