@@ -7,43 +7,43 @@ the environment themselves.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 MIB = 1024 * 1024
 # Pillow refuses larger headers itself (2 x its MAX_IMAGE_PIXELS); ours must stay below.
 PILLOW_PIXEL_CEILING = 178_956_970
+
+N = TypeVar("N", int, float)
 
 
 class SettingsError(ValueError):
     """An environment variable holds a value the app cannot run with."""
 
 
-def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+def _number(
+    env: Mapping[str, str], name: str, default: N, *, minimum: N, parse: Callable[[str], N], kind: str
+) -> N:
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = int(raw)
+        value = parse(raw)
     except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+        raise SettingsError(f"{name}={raw!r} is not {kind}") from None
     if value < minimum:
         raise SettingsError(f"{name}={value} must be >= {minimum}")
     return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+    return _number(env, name, default, minimum=minimum, parse=int, kind="an integer")
 
 
 def _float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not a number") from None
-    if value < minimum:
-        raise SettingsError(f"{name}={value} must be >= {minimum}")
-    return value
+    return _number(env, name, default, minimum=minimum, parse=float, kind="a number")
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:

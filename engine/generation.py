@@ -53,9 +53,6 @@ class LocalGeneration(_Generation):
         self._set(new)
         return new
 
-    def refresh(self) -> int:
-        return self._value
-
     def close(self) -> None:
         pass
 

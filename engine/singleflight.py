@@ -46,7 +46,3 @@ class SingleFlight(Generic[T]):
             del self._flights[key]
         flight.set_result(result)
         return result, False
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._flights)

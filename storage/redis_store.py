@@ -35,7 +35,6 @@ class RedisStats:
     state: str  # "up" | "down"
     breaker: str
     failures: int
-    times_opened: int
 
 
 def escape_glob(text: str) -> str:
@@ -162,9 +161,6 @@ class RedisStore:
     def incr(self, key: str) -> int:
         return int(self._call(lambda: self._client.incr(key)))
 
-    def publish(self, channel: str, message: str) -> None:
-        self._call(lambda: self._client.publish(channel, message))
-
     def _scan(self, match: str) -> Iterator[list[bytes]]:
         cursor: Any = 0
         while True:
@@ -202,7 +198,6 @@ class RedisStore:
             state="up" if state is BreakerState.CLOSED else "down",
             breaker=state.value,
             failures=self._breaker.total_failures,
-            times_opened=self._breaker.times_opened,
         )
 
     def close(self) -> None:
