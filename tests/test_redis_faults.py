@@ -100,6 +100,7 @@ def test_redis_paused_requests_finish_within_timeout_plus_model_time(
 def test_concurrent_requests_survive_a_kill(runtime_on, redis_server: EmbeddedRedis) -> None:
     runtime, _ = runtime_on(redis_server)
     failures: list[BaseException] = []
+    answered = [0] * 4  # per client; each list slot is written by one thread only
     stop = threading.Event()
 
     def client(n: int) -> None:
@@ -107,11 +108,12 @@ def test_concurrent_requests_survive_a_kill(runtime_on, redis_server: EmbeddedRe
         while not stop.is_set():
             try:
                 runtime.engine.classify("text", f"client {n} question {i % 7}")
+                answered[n] += 1
             except BaseException as exc:  # any exception reaching a caller is a failure
                 failures.append(exc)
             i += 1
 
-    threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(4)]
     for t in threads:
         t.start()
     time.sleep(0.5)
@@ -122,7 +124,9 @@ def test_concurrent_requests_survive_a_kill(runtime_on, redis_server: EmbeddedRe
     stop.set()
     for t in threads:
         t.join(timeout=10)
+    assert [t.name for t in threads if t.is_alive()] == [], "a client is stuck in classify"
     assert failures == []
+    assert all(n > 0 for n in answered), answered
 
 
 def test_app_starts_with_redis_unreachable_and_l2_joins_later(make_runtime, redis_binary, tmp_path) -> None:
