@@ -37,8 +37,9 @@ if TYPE_CHECKING:
     from gradio.blocks import Blocks
 
 # One-shot sessions are dropped once their answer is delivered; these bound the rest
-# (a client that never fetches its answer): at most this many, for at most this long.
-ONE_SHOT_CAPACITY = 512
+# (a client that never fetches its answer): at most this many (Gradio's own bound on
+# pending message queues), for at most this long.
+ONE_SHOT_CAPACITY = 2000
 ONE_SHOT_MAX_AGE_S = 300.0
 # Every this many calls, forget answered events of any session (see _forget_answered_events).
 EVENT_SWEEP_EVERY = 256
@@ -82,6 +83,9 @@ class LeanSessionState(SessionState):
         for key, value in list(self._values.items()):
             super()._update_value_in_config(key, value)
         self._values.clear()
+        # In page order, as SessionState renders them (a block set earlier came first).
+        order = [key for key in self.blocks_config.blocks if key in self.config_values]
+        self.config_values = {key: self.config_values[key] for key in order} | self.config_values
         return SessionState.components.fget(self)  # type: ignore[attr-defined]
 
 
@@ -130,44 +134,56 @@ class LeanStateHolder(StateHolder):
             return state
 
     def sweep(self) -> None:
-        """Forget the oldest one-shot sessions whose answer was delivered (or that are
-        over the bounds). Calls end roughly in order, so this stops at the first one
-        still running: amortised O(1) per call."""
+        """Forget the oldest one-shot sessions whose answer was delivered, and those over
+        the bounds (an answer nobody read). Calls end roughly in order, so this stops at
+        the first one still running: amortised O(1) per call."""
         queue = self.blocks._queue
         now = time.monotonic()
         while self.one_shot:
             session_id, state = next(iter(self.one_shot.items()))
             delivered = not queue.pending_event_ids_session.get(session_id)
-            if not (
-                delivered
-                or len(self.one_shot) >= self.one_shot_capacity
+            abandoned = (
+                len(self.one_shot) >= self.one_shot_capacity
                 or now - state.created > self.one_shot_max_age_s
-            ):
+            )
+            if not (delivered or abandoned):
                 return
             del self.one_shot[session_id]
-            if delivered:
-                _forget_delivered_call(queue, session_id)
+            _forget_call(queue, session_id, delivered=delivered)
 
 
-def _forget_delivered_call(queue: Any, session_id: str) -> None:
-    """Gradio's own records of a one-shot call whose answer the client has read."""
+def _queued(queue: Any, event: Any) -> bool:
+    return any(event in q.queue for q in queue.event_queue_per_concurrency_id.values())
+
+
+def _forget_call(queue: Any, session_id: str, *, delivered: bool) -> None:
+    """Gradio's own records of a one-shot call: its answer was read, or nobody read it
+    in time (a read after that finds no session). A call still waiting in the queue
+    stays Gradio's to run."""
+    event = queue.event_ids_to_events.get(session_id)
+    if event is not None:
+        if _queued(queue, event):
+            return
+        if not delivered:
+            event.alive = False  # a run still going must not post into the records dropped here
     queue.pending_event_ids_session.pop(session_id, None)
     queue.pending_messages_per_session.pop(session_id, None)
     # A call answered by the cache probe never leaves this table in Gradio 6.31.
-    event = queue.event_ids_to_events.get(session_id)
-    if event is not None and all(event not in q.queue for q in queue.event_queue_per_concurrency_id.values()):
-        queue.event_ids_to_events.pop(session_id, None)
+    queue.event_ids_to_events.pop(session_id, None)
 
 
 def _forget_answered_events(queue: Any) -> None:
     """Drop events whose answer has been delivered from `event_ids_to_events`: Gradio
     removes the ones it ran from its queue, but never one its cache probe answered,
     whatever the session (a gradio_client keeps one session for all its calls)."""
-    queued = {event._id for q in queue.event_queue_per_concurrency_id.values() for event in q.queue}
-    for event_id, event in list(queue.event_ids_to_events.items()):
-        pending = queue.pending_event_ids_session.get(event.session_hash, ())
-        if event_id not in pending and event_id not in queued:
-            queue.event_ids_to_events.pop(event_id, None)
+    try:
+        queued = {event._id for q in queue.event_queue_per_concurrency_id.values() for event in q.queue}
+        for event_id, event in list(queue.event_ids_to_events.items()):
+            pending = queue.pending_event_ids_session.get(event.session_hash, ())
+            if event_id not in pending and event_id not in queued:
+                queue.event_ids_to_events.pop(event_id, None)
+    except RuntimeError:  # changed under us by a call on another thread: the next sweep does it
+        return
 
 
 def install_lean_sessions(mounted_app: Any, blocks: Blocks) -> LeanStateHolder:
