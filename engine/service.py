@@ -31,7 +31,7 @@ from engine.generation import LocalGeneration, RedisGeneration
 from engine.keys import CacheKey, digest_parts, raw_digest
 from engine.models.base import Classifier, Prediction
 from engine.singleflight import SingleFlight
-from engine.write_batch import L2Write, WriteBatch
+from engine.write_batch import L2Write, OverdueWriteTimer, WriteBatch
 from storage.memory import MemoryStore
 from storage.redis_store import RedisStore
 
@@ -183,6 +183,12 @@ class InferenceEngine:
         self._counter_lock = threading.Lock()
         self._listeners: list[RequestListener] = []
         self._writes = WriteBatch(max_delay_s=L2_WRITE_DELAY_S)
+        # Sends waiting writes that no request carried within L2_WRITE_DELAY_S; close() stops it.
+        self._write_timer = OverdueWriteTimer(
+            self._writes, lambda due: self._send_writes(due, _L2Budget(available=True))
+        )
+        if l2 is not None:
+            self._write_timer.start()
         # Entries of an old generation can never be read again: free their memory.
         generation.subscribe(lambda _old, _new: self._l1.clear())
 
@@ -246,7 +252,8 @@ class InferenceEngine:
         return result
 
     def close(self) -> None:
-        """Send the L2 writes still waiting for a round trip (before the store closes)."""
+        """Stop the write timer and send the L2 writes still waiting (before the store closes)."""
+        self._write_timer.close()
         waiting = self._writes.take()
         if waiting:
             self._send_writes(waiting, _L2Budget(self._l2 is not None))

@@ -8,7 +8,9 @@ own: they wait here and go out
 
 - in front of the next L2 read of any request (one pipeline: the writes, then the GET);
 - or with the last request to leave (nothing waits once the process is idle);
-- or with whichever request finds them older than `max_delay_s`.
+- or with whichever request finds them older than `max_delay_s`;
+- or, when no request does any of that in time (the others in flight are all in a long
+  forward pass), from `OverdueWriteTimer`'s thread once they are `max_delay_s` old.
 
 With one request at a time nothing waits: a result is in Redis when its request returns,
 as before. Writes keep their order (a result before the raw alias that names it).
@@ -16,9 +18,14 @@ as before. Writes keep their order (a result before the raw alias that names it)
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+TIMER_JOIN_S = 5.0
 
 
 class L2Write:
@@ -43,6 +50,9 @@ class WriteBatch:
         self._max_delay_s = max_delay_s
         self._clock = clock
         self._lock = threading.Lock()
+        self._due = threading.Condition(self._lock)  # wakes the timer when writes start waiting
+        self._timer_idle = False  # the timer sleeps until writes wait (not woken otherwise)
+        self._timer_stopped = False
         self._in_flight = 0
         self._waiting: list[L2Write] = []
         self._oldest = 0.0
@@ -68,6 +78,8 @@ class WriteBatch:
             if self._in_flight > 1 and not self._overdue():
                 if not self._waiting:
                     self._oldest = self._clock()
+                    if self._timer_idle:
+                        self._due.notify()
                 self._waiting.extend(writes)
                 return []
             return self._take() + list(writes)
@@ -82,9 +94,66 @@ class WriteBatch:
         with self._lock:
             return len(self._take())
 
+    def wait_overdue(self) -> list[L2Write] | None:
+        """For the timer's thread: blocks until the waiting writes are `max_delay_s` old and
+        returns them (unless a request took them first: then it waits for the next ones).
+        Returns None once `stop_timer()` is called."""
+        with self._lock:
+            while not self._timer_stopped:
+                if not self._waiting:
+                    self._timer_idle = True
+                    self._due.wait()
+                    self._timer_idle = False
+                    continue
+                # Writes that start waiting later fall due later: this sleep never overshoots.
+                remaining = self._oldest + self._max_delay_s - self._clock()
+                if remaining <= 0:
+                    return self._take()
+                self._due.wait(remaining)
+            return None
+
+    def stop_timer(self) -> None:
+        with self._lock:
+            self._timer_stopped = True
+            self._due.notify_all()
+
     def _overdue(self) -> bool:
         return bool(self._waiting) and self._clock() - self._oldest >= self._max_delay_s
 
     def _take(self) -> list[L2Write]:
         taken, self._waiting = self._waiting, []
         return taken
+
+
+class OverdueWriteTimer:
+    """One owned thread that sends waiting writes once they are `max_delay_s` old, for when
+    no request comes by to carry them. `close()` stops it (idempotent); the writes still
+    waiting then are the closer's to send."""
+
+    def __init__(self, batch: WriteBatch, send: Callable[[list[L2Write]], None]) -> None:
+        self._batch = batch
+        self._send = send
+        self._thread = threading.Thread(target=self._run, name="l2-write-timer", daemon=True)
+        self._closed = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._batch.stop_timer()
+        if self._thread.is_alive():
+            self._thread.join(TIMER_JOIN_S)  # a send in progress ends within a socket timeout
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (due := self._batch.wait_overdue()) is not None:
+            try:
+                self._send(due)
+            except Exception:  # keep sending whatever happens; never kill the thread
+                log.exception("sending overdue L2 writes failed")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from engine.write_batch import L2Write, WriteBatch
+from engine.write_batch import L2Write, OverdueWriteTimer, WriteBatch
 
 
 class FakeClock:
@@ -78,3 +81,98 @@ def test_discard_drops_what_waits(batch: WriteBatch) -> None:
     assert batch.discard() == 2
     batch.leave()
     assert batch.leave() == []
+
+
+def test_the_timer_is_handed_overdue_writes_and_nothing_younger(batch: WriteBatch, clock: FakeClock) -> None:
+    batch.enter()
+    batch.enter()
+    batch.add([write("a")])
+    clock.now += 0.05
+    assert keys(batch.wait_overdue() or []) == ["k:a"]  # due now: at once
+    batch.add([write("b")])
+    got: list[list[L2Write] | None] = []
+    waiter = threading.Thread(target=lambda: got.append(batch.wait_overdue()), daemon=True)
+    waiter.start()
+    time.sleep(0.2)  # b is young on the fake clock: the timer must still be waiting
+    assert got == [] and waiter.is_alive()
+    batch.stop_timer()
+    waiter.join(5)
+    assert not waiter.is_alive() and got == [None]
+    assert keys(batch.take()) == ["k:b"]  # stopping the timer leaves b for whoever closes
+
+
+class Sent:
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.arrived = threading.Event()
+
+    def __call__(self, writes: list[L2Write]) -> None:
+        self.batches.append(keys(writes))
+        self.arrived.set()
+
+
+def test_the_timer_sends_writes_no_request_carried() -> None:
+    batch = WriteBatch(max_delay_s=0.05)  # the real clock: the timer sleeps for real
+    sent = Sent()
+    timer = OverdueWriteTimer(batch, sent)
+    timer.start()
+    try:
+        batch.enter()
+        batch.enter()
+        started = time.monotonic()
+        assert batch.add([write("a"), write("b")]) == []
+        assert sent.arrived.wait(5), "the timer never sent the waiting writes"
+        assert time.monotonic() - started >= 0.05  # not before they were due
+        assert sent.batches == [["k:a", "k:b"]]
+        sent.arrived.clear()
+        assert batch.add([write("c")]) == []  # the timer sleeps until something waits again
+        assert sent.arrived.wait(5) and sent.batches[-1] == ["k:c"]
+        assert batch.leave() == [] and batch.leave() == []  # nothing left for the last to leave
+    finally:
+        timer.close()
+    assert not timer.running
+    timer.close()  # idempotent
+
+
+def test_writes_a_request_took_are_not_sent_by_the_timer() -> None:
+    batch = WriteBatch(max_delay_s=0.05)
+    sent = Sent()
+    timer = OverdueWriteTimer(batch, sent)
+    timer.start()
+    try:
+        batch.enter()
+        batch.enter()
+        batch.add([write("a")])
+        assert keys(batch.take()) == ["k:a"]  # a read carried them
+        time.sleep(0.2)
+        assert sent.batches == []
+    finally:
+        timer.close()
+    assert not timer.running
+
+
+def test_a_failing_send_does_not_stop_the_timer() -> None:
+    batch = WriteBatch(max_delay_s=0.01)
+    sent = Sent()
+    calls = []
+
+    def send(writes: list[L2Write]) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        sent(writes)
+
+    timer = OverdueWriteTimer(batch, send)
+    timer.start()
+    try:
+        batch.enter()
+        batch.enter()
+        batch.add([write("a")])
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        batch.add([write("b")])
+        assert sent.arrived.wait(5) and sent.batches == [["k:b"]]
+    finally:
+        timer.close()
+    assert not timer.running
