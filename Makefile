@@ -25,8 +25,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
+# 30 minutes (SOAK_MINUTES=1 for a short run); the report goes to stdout and test-artifacts/soak.txt.
 soak: $(STAMP)
-	$(PY) -m pytest -m soak
+	@scripts/ensure_system_deps.sh redis-server
+	$(PY) -m pytest -m soak -s tests/test_soak.py
 
 bench-models: $(STAMP)
 	$(PY) -m bench.models
