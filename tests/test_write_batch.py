@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -102,23 +104,42 @@ def test_the_timer_is_handed_overdue_writes_and_nothing_younger(batch: WriteBatc
 
 
 class Sent:
-    def __init__(self) -> None:
+    """The timer's `send`: records what it was handed; the first `failures` calls raise."""
+
+    def __init__(self, failures: int = 0) -> None:
         self.batches: list[list[str]] = []
+        self.calls = 0
+        self.failures = failures
         self.arrived = threading.Event()
 
     def __call__(self, writes: list[L2Write]) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RuntimeError("boom")
         self.batches.append(keys(writes))
         self.arrived.set()
 
 
-def test_the_timer_sends_writes_no_request_carried() -> None:
-    batch = WriteBatch(max_delay_s=0.05)  # the real clock: the timer sleeps for real
-    sent = Sent()
+@contextmanager
+def timed(max_delay_s: float, sent: Sent) -> Iterator[WriteBatch]:
+    """A batch (on the real clock: the timer sleeps for real) with two requests in flight and
+    its timer running; the timer is asserted stopped afterwards."""
+    batch = WriteBatch(max_delay_s=max_delay_s)
     timer = OverdueWriteTimer(batch, sent)
     timer.start()
     try:
         batch.enter()
         batch.enter()
+        yield batch
+    finally:
+        timer.close()
+    assert not timer.running
+    timer.close()  # idempotent
+
+
+def test_the_timer_sends_writes_no_request_carried() -> None:
+    sent = Sent()
+    with timed(0.05, sent) as batch:
         started = time.monotonic()
         assert batch.add([write("a"), write("b")]) == []
         assert sent.arrived.wait(5), "the timer never sent the waiting writes"
@@ -128,51 +149,23 @@ def test_the_timer_sends_writes_no_request_carried() -> None:
         assert batch.add([write("c")]) == []  # the timer sleeps until something waits again
         assert sent.arrived.wait(5) and sent.batches[-1] == ["k:c"]
         assert batch.leave() == [] and batch.leave() == []  # nothing left for the last to leave
-    finally:
-        timer.close()
-    assert not timer.running
-    timer.close()  # idempotent
 
 
 def test_writes_a_request_took_are_not_sent_by_the_timer() -> None:
-    batch = WriteBatch(max_delay_s=0.05)
     sent = Sent()
-    timer = OverdueWriteTimer(batch, sent)
-    timer.start()
-    try:
-        batch.enter()
-        batch.enter()
+    with timed(0.05, sent) as batch:
         batch.add([write("a")])
         assert keys(batch.take()) == ["k:a"]  # a read carried them
         time.sleep(0.2)
-        assert sent.batches == []
-    finally:
-        timer.close()
-    assert not timer.running
+        assert sent.calls == 0
 
 
 def test_a_failing_send_does_not_stop_the_timer() -> None:
-    batch = WriteBatch(max_delay_s=0.01)
-    sent = Sent()
-    calls = []
-
-    def send(writes: list[L2Write]) -> None:
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("boom")
-        sent(writes)
-
-    timer = OverdueWriteTimer(batch, send)
-    timer.start()
-    try:
-        batch.enter()
-        batch.enter()
+    sent = Sent(failures=1)
+    with timed(0.01, sent) as batch:
         batch.add([write("a")])
         deadline = time.monotonic() + 5
-        while not calls and time.monotonic() < deadline:
+        while sent.calls == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         batch.add([write("b")])
         assert sent.arrived.wait(5) and sent.batches == [["k:b"]]
-    finally:
-        timer.close()
-    assert not timer.running
