@@ -1,6 +1,6 @@
 """GPU check: the engine on CUDA, in one short run (issue 18, part 6; bench/README.md).
 
-1. Both real models built through `engine.runtime.build_runtime` on the device.
+1. Both real models built through `runtime.build_runtime` on the device.
 2. Miss throughput: `predict_batch` at batch 1 against batches of 8-32 distinct inputs
    (decoded beforehand), warm-ups, CUDA synchronised around timings; the network alone beside it.
 3. One in-process Zipf run through the engine (L1 only), concurrent clients.
