@@ -31,6 +31,9 @@ class Reply:
     event: str | None = None  # None: refused, or the stream ended without a final event
     data: Any = None
     body: str = ""  # the refusal's text, or the whole event stream
+    # A 503 with Retry-After: the replica is not ready yet (still loading); a load balancer
+    # that checks /readyz would not have sent the call there.
+    not_ready: bool = False
 
     @property
     def outputs(self) -> list[Any]:
@@ -74,6 +77,11 @@ def parse_event_stream(text: str) -> tuple[str, Any] | None:
         return None
     event, payload = final
     return event, json.loads(payload) if payload else None
+
+
+def not_ready(response: httpx.Response) -> bool:
+    """The app's answer while it starts (see ui/startup.py): 503 with Retry-After."""
+    return response.status_code == 503 and "retry-after" in response.headers
 
 
 def file_data(path: str, orig_name: str | None = None) -> dict[str, Any]:
@@ -121,7 +129,7 @@ class GradioHttpClient:
             f"/gradio_api/call/{api_name}", content=content, headers={"content-type": "application/json"}
         )
         if queued.status_code != 200:
-            return Reply(queued.status_code, body=queued.text.strip())
+            return Reply(queued.status_code, body=queued.text.strip(), not_ready=not_ready(queued))
         event_id = queued.json()["event_id"]
         stream = self.http.get(f"/gradio_api/call/{api_name}/{event_id}")
         stream.raise_for_status()

@@ -10,7 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.faults.config import SERVER_FAULT_WORDS, TOKEN
-from bench.gradio_http import GradioHttpClient, Reply, file_data
+from bench.gradio_http import GradioHttpClient, Reply, file_data, not_ready
 
 
 @dataclass
@@ -48,6 +48,8 @@ class FaultClient:
             if isinstance(raw, ForgedPath):
                 return outcome_of(self._gradio.call("classify_image", [file_data(raw.path)]))
             uploaded = self._gradio.upload(name, raw)
+            if not_ready(uploaded):
+                return Outcome("unreachable", message="not ready (503)", status=503)
             if uploaded.status_code >= 500:
                 return Outcome(
                     "failure", message=f"upload: HTTP {uploaded.status_code}", status=uploaded.status_code
@@ -67,7 +69,10 @@ class FaultClient:
 
 
 def outcome_of(reply: Reply) -> Outcome:
-    """A call's reply judged as a client sees it: an answer, a clear input error, or a failure."""
+    """A call's reply judged as a client sees it: an answer, a clear input error, a failure,
+    or (a replica still starting) unreachable, as a load balancer checking /readyz sees it."""
+    if reply.not_ready:
+        return Outcome("unreachable", message="not ready (503)", status=reply.status)
     if 400 <= reply.status < 500:  # refused before queueing: the client's mistake
         return Outcome("input_error", message=reply.body[:300], status=reply.status)
     if reply.status != 200:
