@@ -58,6 +58,7 @@ from bench.models import (
     interleaved_samples,
     load_photos,
     load_real_models,
+    positive_int,
     set_threads,
     synchronizer,
     text_forward,
@@ -419,11 +420,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.cache", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"fewer iterations: {QUICK}")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
-    return args
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch intra-op threads (default: torch's)")  # fmt: skip
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

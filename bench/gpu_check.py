@@ -37,6 +37,7 @@ from bench.models import (
     image_batch,
     image_forward,
     load_photos,
+    positive_int,
     set_threads,
     synchronizer,
     text_forward,
@@ -312,12 +313,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda (default); cpu: a dry run of the same steps at small sizes")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch intra-op threads (default: torch's; 1 for --device cpu)")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

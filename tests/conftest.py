@@ -139,3 +139,21 @@ def make_runtime(base_settings: Settings, tmp_path: Path) -> Iterator[Callable[.
     yield factory
     for runtime in reversed(built):
         runtime.close()
+
+
+@pytest.fixture
+def serve(make_runtime: Callable[..., Runtime]) -> Iterator[Callable[..., tuple[str, Runtime]]]:
+    """Serve apps built from `make_runtime(**args)` on free ports; all stopped at teardown."""
+    from ui.server import BackgroundServer, build_app
+
+    servers: list[Any] = []
+
+    def start(**runtime_args: Any) -> tuple[str, Runtime]:
+        runtime = make_runtime(**runtime_args)
+        server = BackgroundServer(build_app(runtime), port=free_port()).start()
+        servers.append(server)
+        return server.url, runtime
+
+    yield start
+    for server in servers:
+        server.close()

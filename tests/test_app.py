@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,25 +15,9 @@ from gradio_client.exceptions import AppError
 from bench.gradio_http import GradioHttpClient, Reply, file_data
 from runtime import Runtime
 from storage.embedded_redis import EmbeddedRedis
-from tests.conftest import CountingTextModel, free_port
-from ui.server import BackgroundServer, build_app
+from tests.conftest import CountingTextModel
 
 CAT_CLASSES = {"tabby", "tiger cat", "Egyptian cat", "Persian cat", "Siamese cat"}
-
-
-@pytest.fixture
-def serve(make_runtime) -> Iterator[Callable[..., tuple[str, Runtime]]]:
-    servers: list[BackgroundServer] = []
-
-    def start(**runtime_args) -> tuple[str, Runtime]:
-        runtime = make_runtime(**runtime_args)
-        server = BackgroundServer(build_app(runtime), port=free_port()).start()
-        servers.append(server)
-        return server.url, runtime
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 def get_json(url: str) -> tuple[int, dict]:

@@ -61,21 +61,6 @@ class RendezvousModel(CountingTextModel):
         return super().predict_batch(inputs)
 
 
-@pytest.fixture
-def serve_app(make_runtime) -> Iterator[Callable[..., tuple[str, Runtime]]]:
-    servers: list[BackgroundServer] = []
-
-    def start(**runtime_args: Any) -> tuple[str, Runtime]:
-        runtime = make_runtime(**runtime_args)
-        server = BackgroundServer(build_app(runtime), port=free_port()).start()
-        servers.append(server)
-        return server.url, runtime
-
-    yield start
-    for server in servers:
-        server.close()
-
-
 def call_text(url: str, message: str, session_hash: str | None = None) -> dict[str, Any]:
     with GradioHttpClient(url, session_hash=session_hash) as client:
         return client.call("classify_text", [message]).outputs[1]
@@ -201,9 +186,9 @@ def test_ready_waits_for_redis_then_shares_it(
 # ---- misses run together, hits never wait -------------------------------------------
 
 
-def test_concurrent_text_misses_share_forward_passes_through_http(serve_app) -> None:
+def test_concurrent_text_misses_share_forward_passes_through_http(serve) -> None:
     model = BatchingTextModel(delay_s=0.3)
-    url, runtime = serve_app(models={"text": model}, batch_max_size=8)
+    url, runtime = serve(models={"text": model}, batch_max_size=8)
     messages = [f"parcel number {i} is late" for i in range(12)]
     with ThreadPoolExecutor(len(messages)) as pool:
         infos = list(pool.map(lambda m: call_text(url, m), messages))
@@ -216,27 +201,27 @@ def test_concurrent_text_misses_share_forward_passes_through_http(serve_app) -> 
     assert f'infcache_batch_size_count{{task="text"}} {float(len(model.pass_sizes))}' in metrics
 
 
-def test_identical_burst_coalesces_in_the_engine(serve_app) -> None:
+def test_identical_burst_coalesces_in_the_engine(serve) -> None:
     model = BatchingTextModel(delay_s=0.5)
-    url, _ = serve_app(models={"text": model}, batch_max_size=8)
+    url, _ = serve(models={"text": model}, batch_max_size=8)
     with ThreadPoolExecutor(8) as pool:
         tiers = list(pool.map(lambda _: call_text(url, "my card was charged twice")["tier"], range(8)))
     assert model.calls == 1
     assert tiers.count("miss") == 1 and "coalesced" in tiers, tiers
 
 
-def test_misses_of_a_model_that_does_not_batch_run_up_to_its_limit(serve_app) -> None:
+def test_misses_of_a_model_that_does_not_batch_run_up_to_its_limit(serve) -> None:
     model = RendezvousModel(parties=2)
-    url, runtime = serve_app(models={"text": model}, miss_concurrency_cpu=2)
+    url, runtime = serve(models={"text": model}, miss_concurrency_cpu=2)
     assert runtime.engine.admission_limit("text") == 2
     with ThreadPoolExecutor(2) as pool:
         infos = list(pool.map(lambda m: call_text(url, m), ["first new message", "second new message"]))
     assert [info["tier"] for info in infos] == ["miss", "miss"]  # both passes met at the barrier
 
 
-def test_hits_never_wait_behind_misses(serve_app) -> None:
+def test_hits_never_wait_behind_misses(serve) -> None:
     model = BatchingTextModel()
-    url, _ = serve_app(models={"text": model}, batch_max_size=2)
+    url, _ = serve(models={"text": model}, batch_max_size=2)
     call_text(url, "cached already")
     model.delay_s = 3.0
     order: list[str] = []
