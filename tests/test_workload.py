@@ -113,8 +113,9 @@ def test_a_small_run_counts_right_and_ends_with_the_summary(
     jobs, real_models, redis_binary, tmp_path
 ) -> None:
     small = config.Config(
-        requests=30, images=IMAGES, messages=MESSAGES, clients=4, segments=2, isolated=False, http=True
-    )
+        requests=30, images=IMAGES, messages=MESSAGES, clients=4, segments=2, isolated=False, http=True,
+        hit_samples=10, rss_calls=8,
+    )  # fmt: skip
     run = cli.run_benchmark(small, models=real_models, log=lambda _: None, workdir=tmp_path)
     streams = inputs.make_streams(len(jobs), small.requests)
     expected = expected_answers(real_models, jobs)
@@ -138,19 +139,47 @@ def test_a_small_run_counts_right_and_ends_with_the_summary(
     assert run.results["unique"]["ours"].hit_ratio == 0.0
     assert run.results["zipf-restart"]["ours"].restart_s is not None
 
-    assert run.http is not None and set(run.http) == set(config.HTTP_SYSTEMS)
+    assert run.http is not None and set(run.http.results) == set(config.HTTP_SYSTEMS)
     zipf = streams["zipf-restart"]
-    for system, result in run.http.items():
+    for system, result in run.http.results.items():
         assert result.requests == len(zipf)
         assert all(replay.same_answer(result.answers[i], expected[i]) for i in set(zipf.tolist())), system
-    assert run.http["ours"].model_calls == len(set(zipf.tolist()))
-    assert sum(run.http["ours"].tiers.values()) == len(zipf)
+        assert not result.disagreements
+    for path in ("ours", "ours-rest"):  # this app's two front doors, each its own server and Redis
+        assert run.http.results[path].model_calls == len(set(zipf.tolist())), path
+        assert sum(run.http.results[path].tiers.values()) == len(zipf), path
+    # Cached answers one at a time: Gradio with and without a session hash, REST without; every
+    # one of this app's answers a hit (the inputs are the stream's hottest, all cached by then).
+    cells = {(h.path, h.session, h.task): h for h in run.http.hits}
+    assert set(cells) == {
+        (path, session, task)
+        for path, sessions in (("grcache", (True, False)), ("ours", (True, False)), ("ours-rest", (None,)))
+        for session in sessions
+        for task in ("text", "image")
+    }
+    for (path, _, _), hit in cells.items():
+        assert hit.n == 10 and all(ms > 0 for ms in hit.latencies_ms)
+        if path != "grcache":
+            assert set(hit.tiers) <= {"l1", "l2"}, (path, hit.tiers)
+    assert [m.path for m in run.http.memory] == list(config.HTTP_SYSTEMS)
+    assert all(m.calls == 8 for m in run.http.memory)
 
     line = report.summary_line(run.values)
     values = report.parse_summary(line)
     assert set(values) == set(report.SUMMARY_KEYS)
     assert values["hit_ratio"] == pytest.approx(run.results["zipf-restart"]["ours"].hit_ratio, abs=1e-3)
-    assert all(v > 0 for v in values.values() if v == v and v is not values["hit_ratio"])
+    assert all(v > 0 for key, v in values.items() if key != "hit_ratio"), values  # every ratio measured
+    gradio, rest = run.http.results["ours"], run.http.results["ours-rest"]
+    assert values["rest_vs_grcache"] == pytest.approx(
+        rest.throughput / run.http.results["grcache"].throughput, rel=0.01
+    )
+    assert values["gradio_vs_grcache"] * run.http.results["grcache"].throughput == pytest.approx(
+        gradio.throughput, rel=0.01
+    )
+    assert values["rest_hit_p50_vs_gradio"] == pytest.approx(
+        cells[("ours-rest", None, "text")].percentile(50) / cells[("ours", True, "text")].percentile(50),
+        rel=0.01,
+    )
     assert not any(" differ" in line for line in run.lines if line.startswith("answers"))
 
     written, chart = tmp_path / "REPORT.md", tmp_path / "chart.html"
@@ -181,9 +210,15 @@ def test_the_command_line_prints_the_summary_last(real_models, redis_binary, cap
 def test_the_summary_line_is_strict() -> None:
     good = (
         "SUMMARY speedup_vs_nocache=7.10 speedup_vs_grcache=1.50 speedup_vs_seed=1.30 "
-        "unique_vs_nocache=0.97 hit_ratio=0.882"
+        "unique_vs_nocache=0.97 hit_ratio=0.882 gradio_vs_grcache=1.62 rest_vs_grcache=5.40 "
+        "rest_hit_p50_vs_gradio=0.120"
     )
     assert report.parse_summary(good)["hit_ratio"] == 0.882
+    assert report.parse_summary(good)["rest_hit_p50_vs_gradio"] == 0.12
+    assert report.summary_line(report.parse_summary(good)) == good
+    without_http = good.split(" gradio_vs_grcache")[0]
+    with pytest.raises(ValueError):  # every key, always: nan where it was not measured
+        report.parse_summary(without_http)
     for bad in (good.replace("SUMMARY", "summary"), good + " extra=1", good.replace("=7.10", "=fast")):
         with pytest.raises(ValueError):
             report.parse_summary(bad)

@@ -37,18 +37,35 @@ Measured per system and workload: wall time, throughput, p50/p95/p99 latency,
 hit ratio (1 - model calls / requests), model calls, CPU per request (the
 process plus its redis-server), peak RSS during the replay and its growth,
 Redis memory; the ratios of ours to each peer; whether every system gave the
-model's answers. The last line printed is the machine-readable summary:
+model's answers.
 
-    SUMMARY speedup_vs_nocache=X speedup_vs_grcache=Y speedup_vs_seed=Z unique_vs_nocache=W hit_ratio=H
+`--http` (and `--quick`) adds what users get: the same Zipf stream (with a real restart of
+every server halfway) sent over HTTP by 4 keep-alive clients per path, through three paths
+side by side, each its own server process: `ours` (this app through Gradio's API, half the
+clients with a session hash and half without, as curl sends), `ours-rest` (this app through
+its Open Inference Protocol REST API) and `grcache` (a minimal Gradio app with gr.cache).
+Then cached answers one at a time per path and session mode (p50 latency, server CPU per
+answer) and the servers' memory over calls without a session hash (`bench.workload.over_http`).
 
-`--http` adds the same Zipf stream (with a real server restart) sent through the
-Gradio API of this app and of a minimal Gradio app using gr.cache, by 4 HTTP
-clients. The default run (20,000 requests) writes bench/REPORT.md and
-bench/workload_chart.html; `--quick` uses 4,000 and writes nothing unless asked.
+The last line printed is the machine-readable summary (`nan` for what the run did not measure):
 
-    .venv/bin/python -m bench.workload [--quick] [--http] [--requests N] [--threads N]
-                                       [--device auto|cpu|cuda] [--in-process]
+    SUMMARY speedup_vs_nocache=X speedup_vs_grcache=Y speedup_vs_seed=Z unique_vs_nocache=W
+            hit_ratio=H gradio_vs_grcache=G rest_vs_grcache=R rest_hit_p50_vs_gradio=P
+
+(on one line). The default run (20,000 requests) writes bench/REPORT.md and
+bench/workload_chart.html; `--quick` (2,000 requests in process, 1,000 over HTTP) writes
+nothing unless asked; `--http-only` skips the in-process workloads.
+
+    .venv/bin/python -m bench.workload [--quick] [--http | --no-http | --http-only] [--requests N]
+                                       [--http-requests N] [--http-sessions mixed|with|without]
+                                       [--threads N] [--device auto|cpu|cuda] [--in-process]
 
 Needs `redis-server` on PATH (the script starts and stops its own, one per
 system that uses Redis, on unix sockets in temp dirs; it touches no other Redis).
+
+Modules: `config` (systems, sizes, targets), `inputs` (inputs and streams), `replay`
+(concurrent clients, results), `processes` (child processes, Redis, CPU and memory),
+`inprocess` (the systems called in process), `servers` and `over_http` (the HTTP run),
+`report` (tables, SUMMARY, REPORT.md, chart), `cli`. The peer systems are `bench.peers`;
+the HTTP clients `bench.gradio_http` and `bench.oip_http`.
 """

@@ -23,10 +23,16 @@ from bench.workload.config import (
     CHART_PATH,
     CLIENTS,
     FULL_REQUESTS,
+    HIT_SAMPLES,
+    HTTP_SESSIONS,
     IMAGES,
     MESSAGES,
+    QUICK_HIT_SAMPLES,
+    QUICK_HTTP_REQUESTS,
     QUICK_REQUESTS,
+    QUICK_RSS_CALLS,
     REPORT_PATH,
+    RSS_CALLS,
     SEED,
     SEGMENTS,
     SYSTEMS,
@@ -35,7 +41,7 @@ from bench.workload.config import (
     Config,
 )
 from bench.workload.inprocess import run_workload
-from bench.workload.inputs import cached_inputs, make_streams
+from bench.workload.inputs import cached_inputs, make_streams, zipf_stream
 from bench.workload.over_http import run_http
 from bench.workload.processes import load_models
 from bench.workload.replay import Result
@@ -79,9 +85,15 @@ def run_benchmark(
                 workload, streams[workload], config, workdir, inputs_path, models=models, jobs=jobs, log=log
             )
         http = None
-        if config.http:
-            http = run_http(streams["zipf-restart"], jobs, config, workdir, models=models, log=log)
-    values = summary_values(results)
+        if config.http and config.http_paths:
+            http_requests = config.http_requests or config.requests
+            stream = (
+                streams["zipf-restart"]
+                if http_requests == config.requests
+                else zipf_stream(len(jobs), http_requests, config.zipf_s, config.seed)
+            )
+            http = run_http(stream, jobs, config, workdir, models=models, log=log)
+    values = summary_values(results, http)
     device = "cpu"
     if models is not None:
         device = str(getattr(models["image"], "device", "cpu"))
@@ -102,16 +114,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.workload", description=bench.workload.__doc__.split("\n\n")[0]
     )
     parser.add_argument(
-        "--quick", action="store_true", help=f"{QUICK_REQUESTS:,} requests instead of {FULL_REQUESTS:,}"
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_REQUESTS:,} requests instead of {FULL_REQUESTS:,}, and the HTTP run with "
+        f"{QUICK_HTTP_REQUESTS:,} (unless --no-http)",
     )
     parser.add_argument(
         "--requests", type=int, default=None, help="zipf-restart requests (overrides --quick)"
     )
-    parser.add_argument("--http", action="store_true", help="also run the Zipf stream through the Gradio API")
+    parser.add_argument(
+        "--http",
+        action="store_true",
+        help="also send the Zipf stream over HTTP: this app through Gradio and REST, the gr.cache app "
+        "through Gradio (--quick does this unless --no-http)",
+    )
+    parser.add_argument("--no-http", action="store_true", help="no HTTP run, even with --quick")
+    parser.add_argument(
+        "--http-only", action="store_true", help="the HTTP run alone (no in-process workloads)"
+    )
+    parser.add_argument("--http-requests", type=int, default=None, help="the HTTP stream's length")
+    parser.add_argument(
+        "--http-sessions",
+        choices=HTTP_SESSIONS,
+        default="mixed",
+        help="Gradio clients that send a session hash: half (mixed, the default), all, or none",
+    )
     parser.add_argument(
         "--http-no-session",
         action="store_true",
-        help="HTTP clients send no session hash (curl style): Gradio builds a new session per request",
+        help="the same as --http --http-sessions without (curl style: a new Gradio session per request)",
     )
     parser.add_argument(
         "--systems",
@@ -169,11 +200,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--images, --messages, --clients, --segments and --threads must be >= 1")
     if args.requests is not None and args.requests < 2:
         parser.error("--requests must be >= 2")
+    if args.http_requests is not None and args.http_requests < 2:
+        parser.error("--http-requests must be >= 2")
+    if args.no_http and (args.http or args.http_only or args.http_no_session):
+        parser.error("--no-http contradicts --http, --http-only and --http-no-session")
     return args
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     requests = args.requests or (QUICK_REQUESTS if args.quick else FULL_REQUESTS)
+    http = (args.http or args.http_only or args.http_no_session or args.quick) and not args.no_http
+    http_requests = args.http_requests or (QUICK_HTTP_REQUESTS if args.quick and not args.requests else None)
     return Config(
         requests=requests,
         images=args.images,
@@ -182,12 +219,15 @@ def config_from_args(args: argparse.Namespace) -> Config:
         seed=args.seed,
         segments=args.segments,
         systems=args.systems,
-        workloads=args.workloads,
+        workloads=() if args.http_only else args.workloads,
         device=args.device,
         threads=args.threads,
         isolated=not args.in_process,
-        http=args.http or args.http_no_session,
-        http_sessions=not args.http_no_session,
+        http=http,
+        http_requests=http_requests,
+        http_sessions="without" if args.http_no_session else args.http_sessions,
+        hit_samples=QUICK_HIT_SAMPLES if args.quick else HIT_SAMPLES,
+        rss_calls=QUICK_RSS_CALLS if args.quick else RSS_CALLS,
         inputs_cache=None if args.no_inputs_cache else args.inputs_cache,
     )
 

@@ -1,132 +1,45 @@
-"""The Zipf stream through the HTTP API of this app and of a minimal gr.cache app."""
+"""What users get: the Zipf stream over HTTP, through three paths side by side.
+
+`ours` is this app through Gradio (`/gradio_api/call/classify_*`), `ours-rest` this app
+through REST (the Open Inference Protocol, `/v2/models/{task}/infer`), `grcache` the minimal
+gr.cache app through Gradio; each path has its own server process (`bench.workload.servers`).
+Three phases against the same servers:
+
+1. stream: the zipf-restart stream, by `clients` keep-alive clients per path, the paths
+   taking turns segment by segment, every server restarted halfway (new processes, models
+   loaded again; Redis kept). Gradio clients with and without a session hash (`mixed`: every
+   other client sends none, as curl and Gradio's "Use via API" page do; REST has no sessions);
+2. cached answers: one keep-alive client per path and session mode sends inputs already
+   cached, one at a time, the cells interleaved in rounds: latency (p50) and the server's CPU
+   per answer (its process, measured over each round's batch);
+3. memory: `rss_calls` cached text calls without a session hash to each path, and the server
+   process's resident memory before and after.
+"""
 
 from __future__ import annotations
 
-import gc
-import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.gradio_http import GradioHttpClient
-from bench.models import host_load, set_threads
-from bench.peers import CountingModel, counting, our_settings
-from bench.workload.config import HTTP_SYSTEMS, USES_REDIS, Config, Job, Labels
+from bench.models import host_load
+from bench.oip_http import OipHttpClient
+from bench.workload.config import HTTP_PATHS, Config, Job, Labels
 from bench.workload.inputs import PNG_MAGIC
-from bench.workload.processes import (
-    ChildHandle,
-    LocalHandle,
-    fresh_redis,
-    load_models,
-    peak_rss_mib,
-    process_cpu_s,
-    redis_state,
-    reset_peak_rss,
-    rss_mib,
-)
 from bench.workload.replay import Result, replay, rotated, split_segments
-from storage.embedded_redis import free_port
+from bench.workload.servers import Servers
 
-
-def build_grcache_demo(models: Mapping[str, Any], *, max_memory: int) -> Any:
-    """The minimal Gradio app: gr.Image(type="numpy") and a Textbox into gr.cache'd classifiers."""
-    import gradio as gr
-
-    from engine.inputs import CanonicalImage
-    from ui.server import QUEUE_MAX_SIZE
-
-    image_model, text_model = models["image"], models["text"]
-
-    @gr.cache(max_size=0, max_memory=max_memory)
-    def classify_image(image: np.ndarray) -> dict[str, float]:
-        return image_model.predict_batch([CanonicalImage(np.ascontiguousarray(image))])[0].as_label_value()
-
-    @gr.cache(max_size=0, max_memory=max_memory)
-    def classify_text(text: str) -> dict[str, float]:
-        return text_model.predict_batch([text_model.canonicalize(text)])[0].as_label_value()
-
-    with gr.Blocks(title="gr.cache") as demo:
-        image_in = gr.Image(type="numpy")
-        image_out = gr.Label(num_top_classes=5)
-        gr.Button("Classify image").click(classify_image, image_in, image_out, api_name="classify_image")
-        text_in = gr.Textbox()
-        text_out = gr.Label(num_top_classes=5)
-        gr.Button("Classify message").click(classify_text, text_in, text_out, api_name="classify_text")
-    demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)  # what our app sets
-    return demo
-
-
-def build_grcache_app(models: Mapping[str, Any], *, max_memory: int) -> Any:
-    import gradio as gr
-    from fastapi import FastAPI
-
-    demo = build_grcache_demo(models, max_memory=max_memory)
-    return gr.mount_gradio_app(FastAPI(), demo, path="", ssr_mode=False)
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    system: str
-    data_dir: str
-    redis_url: str | None
-    device: str
-    threads: int | None
-    port: int
-
-
-class HttpServer:
-    """One app (ours or the gr.cache app) served by uvicorn in a thread of this process."""
-
-    def __init__(
-        self, spec: ServerSpec, *, models: Mapping[str, Any] | None = None, isolated: bool = True
-    ) -> None:
-        os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-        self.spec = spec
-        self._shared_models = models
-        self._isolated = isolated
-        self._models: dict[str, CountingModel] = {}
-        self._runtime: Any = None
-        self._server: Any = None
-
-    def setup(self) -> dict[str, Any]:
-        from ui.server import BackgroundServer, build_app
-
-        spec = self.spec
-        models = self._shared_models
-        if models is None:
-            set_threads(spec.threads)
-            models = load_models(spec.device)
-        self._models = counting(models)
-        settings = our_settings(spec.redis_url, Path(spec.data_dir), spec.device)
-        if spec.system == "ours":
-            from engine.runtime import build_runtime
-
-            self._runtime = build_runtime(settings, models=self._models)
-            app = build_app(self._runtime)
-        else:
-            app = build_grcache_app(self._models, max_memory=settings.cache_l1_max_bytes)
-        self._server = BackgroundServer(app, port=spec.port).start()
-        gc.collect()
-        rss = rss_mib()
-        if self._isolated:
-            reset_peak_rss()
-        return {"url": self._server.url, "pid": os.getpid(), "rss_start_mib": rss}
-
-    def finish(self) -> dict[str, Any]:
-        if self._server is not None:
-            self._server.close()
-        if self._runtime is not None:
-            self._runtime.close()
-        return {
-            "model_calls": sum(m.calls for m in self._models.values()),
-            "rss_peak_mib": peak_rss_mib() if self._isolated else None,
-        }
+HIT_INPUTS = 8  # distinct cached inputs per task that the hit and memory phases cycle through
+HIT_ROUNDS = 5
+TASKS = ("text", "image")
 
 
 class GradioApiClient:
@@ -151,6 +64,86 @@ class GradioApiClient:
         self._gradio.close()
 
 
+class RestApiClient:
+    """One keep-alive JSON client of the app's Open Inference Protocol routes."""
+
+    def __init__(self, url: str) -> None:
+        self._oip = OipHttpClient(url, timeout_s=120.0)
+
+    def classify(self, task: str, raw: Any) -> tuple[Labels, str | None]:
+        answer = self._oip.infer(task, raw)
+        return answer.labels, answer.cache_info.get("tier")
+
+    def close(self) -> None:
+        self._oip.close()
+
+
+def make_client(path: str, url: str, *, session: bool) -> GradioApiClient | RestApiClient:
+    return RestApiClient(url) if HTTP_PATHS[path][1] == "rest" else GradioApiClient(url, session=session)
+
+
+def session_plan(mode: str, clients: int) -> list[bool]:
+    """Which of the Gradio clients send a session hash: `mixed` every other one (the first does)."""
+    return [mode == "with" or (mode == "mixed" and k % 2 == 0) for k in range(clients)]
+
+
+def session_modes(path: str) -> tuple[bool | None, ...]:
+    """The session modes of the hit phase: with and without for Gradio, none for REST."""
+    return (None,) if HTTP_PATHS[path][1] == "rest" else (True, False)
+
+
+@dataclass
+class HitCost:
+    """Cached answers one at a time on one path: latency, and the server's CPU per answer."""
+
+    path: str
+    session: bool | None  # None: REST, which has no sessions
+    task: str
+    latencies_ms: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0  # the server process and its Redis, over the timed answers (NaN: shared process)
+    tiers: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def n(self) -> int:
+        return len(self.latencies_ms)
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+
+    @property
+    def cpu_ms(self) -> float:
+        return 1000.0 * self.cpu_s / self.n if self.n else float("nan")
+
+
+@dataclass(frozen=True)
+class RssGrowth:
+    path: str
+    calls: int
+    start_mib: float
+    end_mib: float
+
+    @property
+    def growth_mib(self) -> float:
+        return self.end_mib - self.start_mib
+
+
+@dataclass
+class HttpRun:
+    results: dict[str, Result]
+    hits: list[HitCost]
+    memory: list[RssGrowth]
+    sessions: str
+
+    def hit(self, path: str, session: bool | None, task: str) -> HitCost | None:
+        return next((h for h in self.hits if (h.path, h.session, h.task) == (path, session, task)), None)
+
+
+def hottest(stream: np.ndarray, jobs: Sequence[Job], task: str, count: int = HIT_INPUTS) -> list[int]:
+    """The `count` inputs of `task` the stream sends most often (all cached once it has run)."""
+    counts = Counter(int(i) for i in stream if jobs[int(i)][0] == task)
+    return [index for index, _ in counts.most_common(count)]
+
+
 def run_http(
     stream: np.ndarray,
     jobs: Sequence[Job],
@@ -159,99 +152,122 @@ def run_http(
     *,
     models: Mapping[str, Any] | None = None,
     log: Callable[[str], None] = print,
-) -> dict[str, Result]:
-    """The Zipf stream through the Gradio API of both apps, servers restarted at halfway."""
-    systems = [s for s in HTTP_SYSTEMS if s in config.systems]
-    results = {name: Result(name, "zipf-restart (HTTP)") for name in systems}
-    answers: dict[str, dict[int, Labels]] = {name: {} for name in systems}
-    disagreements: dict[str, list[str]] = {name: [] for name in systems}
-    peaks: dict[str, list[float]] = {name: [] for name in systems}
+) -> HttpRun:
+    paths = config.http_paths
+    results = {path: Result(path, "zipf-restart (HTTP)") for path in paths}
+    answers: dict[str, dict[int, Labels]] = {path: {} for path in paths}
+    disagreements: dict[str, list[str]] = {path: [] for path in paths}
+    plan = session_plan(config.http_sessions, config.clients)
     with ExitStack() as stack:
-        servers: dict[str, Any] = {}
-        for name in systems:
-            if name in USES_REDIS:
-                servers[name] = stack.enter_context(fresh_redis(workdir / f"http-{name}-redis"))
-
-        def start_all() -> dict[str, tuple[Any, dict[str, Any]]]:
-            """Start both servers (in parallel); each one's `ready` holds its url, pid and start time."""
-            started = time.perf_counter()
-            handles: dict[str, Any] = {}
-            for name in systems:
-                spec = ServerSpec(
-                    name,
-                    str(workdir / f"http-{name}"),
-                    servers[name].url if name in servers else None,
-                    config.device,
-                    config.threads,
-                    free_port(),
-                )
-                handles[name] = (
-                    ChildHandle(HttpServer, spec)
-                    if config.isolated
-                    else LocalHandle(HttpServer(spec, models=models, isolated=False))
-                )
-                handles[name].send("setup")
-            live = {}
-            for name, handle in handles.items():
-                ready = handle.receive()
-                ready["start_s"] = time.perf_counter() - started
-                live[name] = (handle, ready)
-            return live
-
-        def stop_all(live: Mapping[str, tuple[Any, dict[str, Any]]]) -> None:
-            for name, (handle, _) in live.items():
-                final = handle.call("finish")
-                results[name].model_calls += final["model_calls"]
-                if final["rss_peak_mib"] is not None:
-                    peaks[name].append(final["rss_peak_mib"])
-                handle.close()
-
-        def server_cpu(name: str) -> float:
-            """CPU seconds so far of the server process (when it has its own) and its redis-server."""
-            total = process_cpu_s(live[name][1]["pid"]) if config.isolated else 0.0
-            return total + (redis_state(servers[name])[1] if name in servers else 0.0)
-
-        live = start_all()
-        for name, (_, ready) in live.items():
-            results[name].rss_start_mib = ready["rss_start_mib"] if config.isolated else None
+        servers = Servers(config, workdir, stack, models=models)
+        servers.start()
+        for path, live in servers.live.items():
+            results[path].rss_start_mib = live.rss_start_mib if config.isolated else None
         segments = split_segments(stream, config.segments)
         restart_at = len(segments) // 2
-        sessions = "one session per client" if config.http_sessions else "no session (a new one per request)"
         log(
-            f"zipf-restart over HTTP: {len(stream):,} requests, {len(segments)} segments, "
-            f"{config.clients} HTTP clients, {sessions} | at start: {host_load()}"
+            f"zipf-restart over HTTP ({', '.join(paths)}): {len(stream):,} requests, {len(segments)} "
+            f"segments, {config.clients} clients per path, Gradio clients with a session hash: "
+            f"{sum(plan)} of {len(plan)} | at start: {host_load()}"
         )
         try:
             for k, segment in enumerate(segments):
                 if k == restart_at:  # a real restart: new processes, models loaded again
-                    stop_all(live)
-                    live = start_all()
-                    for name, (_, ready) in live.items():
-                        results[name].restart_s = ready["start_s"]
-                for name in rotated(systems, k):
-                    url = live[name][1]["url"]
-                    clients = [
-                        GradioApiClient(url, session=config.http_sessions) for _ in range(config.clients)
-                    ]
+                    servers.stop()
+                    servers.start()
+                    for path, live in servers.live.items():
+                        results[path].restart_s = live.start_s
+                for path in rotated(paths, k):
+                    url = servers.live[path].url
+                    clients = [make_client(path, url, session=session) for session in plan]
                     try:
-                        cpu = server_cpu(name)
+                        cpu = servers.cpu_s(path)
                         segment_result = replay(
-                            [c.classify for c in clients], jobs, segment, answers[name], disagreements[name]
+                            [c.classify for c in clients], jobs, segment, answers[path], disagreements[path]
                         )
-                        segment_result.cpu_s = server_cpu(name) - cpu  # the server's, not the clients'
+                        segment_result.cpu_s = servers.cpu_s(path) - cpu  # the server's, not the clients'
                     finally:
                         for c in clients:
                             c.close()
-                    results[name].add(segment_result)
+                    results[path].add(segment_result)
+            log(f"zipf-restart over HTTP: done | {host_load()}")
+            picks = {task: hottest(stream, jobs, task) for task in TASKS}
+            hits = measure_hits(servers, jobs, picks, config)
+            log(f"cached answers over HTTP: done | {host_load()}")
+            memory = measure_memory(servers, jobs, picks["text"], config)
+            log(f"memory over HTTP: done | at end: {host_load()}")
         finally:
-            for name, server in servers.items():
-                results[name].redis_mib = redis_state(server)[0]
-            stop_all(live)
-        log(f"zipf-restart over HTTP: done | at end: {host_load()}")
-    for name in systems:
-        if not config.isolated:  # the servers ran in this process, alongside the clients
-            results[name].cpu_s = float("nan")
-        results[name].answers = answers[name]
-        results[name].disagreements = disagreements[name]
-        results[name].rss_peak_mib = max(peaks[name]) if peaks[name] else None
-    return results
+            for path in paths:
+                results[path].redis_mib = servers.redis_mib(path)
+            servers.stop()
+    for path in paths:
+        results[path].model_calls = servers.model_calls[path]
+        results[path].answers = answers[path]
+        results[path].disagreements = disagreements[path]
+        peaks = servers.rss_peaks[path]
+        results[path].rss_peak_mib = max(peaks) if peaks else None
+    return HttpRun(results, hits, memory, config.http_sessions)
+
+
+def measure_hits(
+    servers: Servers, jobs: Sequence[Job], picks: Mapping[str, Sequence[int]], config: Config
+) -> list[HitCost]:
+    """Per task, every (path, session mode) cell sends cached inputs one at a time; the cells
+    take turns in rounds (rotating), each round a batch whose server CPU is measured."""
+    cells = [(path, session) for path in servers.paths for session in session_modes(path)]
+    chunk = max(1, config.hit_samples // HIT_ROUNDS)
+    costs: list[HitCost] = []
+    for task in TASKS:
+        inputs = list(picks[task])
+        if not inputs:
+            continue
+        clients = {
+            (path, session): make_client(path, servers.live[path].url, session=bool(session))
+            for path, session in cells
+        }
+        found = {cell: HitCost(cell[0], cell[1], task) for cell in cells}
+        try:
+            for client in clients.values():  # cached everywhere, and every connection open
+                for index in inputs:
+                    client.classify(task, jobs[index][1])
+            for r in range(HIT_ROUNDS):
+                for cell in rotated(cells, r):
+                    cost, classify = found[cell], clients[cell].classify
+                    cpu = servers.cpu_s(cell[0])
+                    for j in range(chunk):
+                        raw = jobs[inputs[(r * chunk + j) % len(inputs)]][1]
+                        started = time.perf_counter_ns()
+                        _, tier = classify(task, raw)
+                        cost.latencies_ms.append((time.perf_counter_ns() - started) / 1e6)
+                        cost.tiers[tier or "?"] += 1
+                    cost.cpu_s += servers.cpu_s(cell[0]) - cpu
+        finally:
+            for client in clients.values():
+                client.close()
+        costs += found.values()
+    return costs
+
+
+def measure_memory(
+    servers: Servers, jobs: Sequence[Job], inputs: Sequence[int], config: Config
+) -> list[RssGrowth]:
+    """`rss_calls` cached text calls without a session hash to each path, by `clients`
+    concurrent clients; the server's resident memory before and after."""
+    if not inputs:
+        return []
+    indices = [inputs[i % len(inputs)] for i in range(config.rss_calls)]
+    found = []
+    for path in servers.paths:
+        url = servers.live[path].url
+        clients = [make_client(path, url, session=False) for _ in range(config.clients)]
+        try:
+            before = servers.rss_mib(path)
+            segment = replay([c.classify for c in clients], jobs, indices, {}, [])
+            after = servers.rss_mib(path)
+        finally:
+            for c in clients:
+                c.close()
+        if segment.errors:
+            raise RuntimeError(f"{path}: {len(segment.errors)} calls failed, first: {segment.errors[0]}")
+        found.append(RssGrowth(path, len(indices), before, after))
+    return found

@@ -162,3 +162,9 @@ def process_cpu_s(pid: int) -> float:
 
     cpu = psutil.Process(pid).cpu_times()
     return cpu.user + cpu.system
+
+
+def process_rss_mib(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20

@@ -14,11 +14,25 @@ from pathlib import Path
 import numpy as np
 
 from bench.models import SCORE_TOLERANCE, fmt_ms, format_table
-from bench.workload.config import ALL_SYSTEMS, NOTES_MARKER, PEERS, REDIS_OVER_TCP, TARGETS, Config
+from bench.workload.config import (
+    ALL_SYSTEMS,
+    HTTP_PATHS,
+    HTTP_SYSTEMS,
+    NOTES_MARKER,
+    PEERS,
+    REDIS_OVER_TCP,
+    RSS_GROWTH_LIMIT_MB,
+    TARGETS,
+    Config,
+)
 from bench.workload.inputs import unique_requests
+from bench.workload.over_http import HttpRun, session_plan
 from bench.workload.replay import Result, same_answer
 
-SUMMARY_KEYS = (*TARGETS, "hit_ratio")
+IN_PROCESS_KEYS = ("speedup_vs_nocache", "speedup_vs_grcache", "speedup_vs_seed", "unique_vs_nocache")
+HTTP_KEYS = ("gradio_vs_grcache", "rest_vs_grcache", "rest_hit_p50_vs_gradio")
+SUMMARY_KEYS = (*IN_PROCESS_KEYS, "hit_ratio", *HTTP_KEYS)
+FINE_KEYS = frozenset({"hit_ratio", "rest_hit_p50_vs_gradio"})  # three decimals
 SUMMARY_PATTERN = re.compile(
     r"^SUMMARY " + " ".join(rf"{key}=(?P<{key}>[0-9.]+|nan)" for key in SUMMARY_KEYS) + "$"
 )
@@ -28,7 +42,7 @@ SUMMARY_PATTERN = re.compile(
 class Run:
     config: Config
     results: dict[str, dict[str, Result]]
-    http: dict[str, Result] | None
+    http: HttpRun | None
     values: dict[str, float]
     lines: list[str]  # the printed report, without the summary line
     progress: list[str]  # what was logged during the run (load averages at each workload's start and end)
@@ -43,22 +57,36 @@ def ratio(ours: Result | None, peer: Result | None) -> float:
     return ours.throughput / peer.throughput
 
 
-def summary_values(results: Mapping[str, Mapping[str, Result]]) -> dict[str, float]:
+def summary_values(
+    results: Mapping[str, Mapping[str, Result]], http: HttpRun | None = None
+) -> dict[str, float]:
     zipf, unique = results.get("zipf-restart", {}), results.get("unique", {})
     ours = zipf.get("ours")
+    over_http = http.results if http is not None else {}
+    gradio_hit = http.hit("ours", True, "text") if http is not None else None
+    rest_hit = http.hit("ours-rest", None, "text") if http is not None else None
     return {
         "speedup_vs_nocache": ratio(ours, zipf.get("nocache")),
         "speedup_vs_grcache": ratio(ours, zipf.get("grcache")),
         "speedup_vs_seed": ratio(ours, zipf.get("seed")),
         "unique_vs_nocache": ratio(unique.get("ours"), unique.get("nocache")),
         "hit_ratio": ours.hit_ratio if ours is not None else float("nan"),
+        "gradio_vs_grcache": ratio(over_http.get("ours"), over_http.get("grcache")),
+        "rest_vs_grcache": ratio(over_http.get("ours-rest"), over_http.get("grcache")),
+        # A cached text answer over REST against one through Gradio (with a session, as
+        # gradio_client keeps it), p50, keep-alive clients, measured side by side.
+        "rest_hit_p50_vs_gradio": (
+            rest_hit.percentile(50) / gradio_hit.percentile(50)
+            if rest_hit is not None and gradio_hit is not None and gradio_hit.n and rest_hit.n
+            else float("nan")
+        ),
     }
 
 
 def summary_line(values: Mapping[str, float]) -> str:
     def cell(key: str) -> str:
-        value = values[key]
-        return "nan" if math.isnan(value) else f"{value:.3f}" if key == "hit_ratio" else f"{value:.2f}"
+        value = values.get(key, float("nan"))
+        return "nan" if math.isnan(value) else f"{value:.3f}" if key in FINE_KEYS else f"{value:.2f}"
 
     return "SUMMARY " + " ".join(f"{key}={cell(key)}" for key in SUMMARY_KEYS)
 
@@ -120,6 +148,8 @@ def results_table(results: Mapping[str, Result]) -> str:
 def ratio_table(results: Mapping[str, Mapping[str, Result]]) -> str:
     rows = []
     pairs = [("ours", peer) for peer in PEERS] + [
+        ("ours-rest", "grcache"),
+        ("ours-rest", "ours"),
         ("ours", "ours-l1"),
         ("ours-tcp", "ours"),
         ("ours-nobatch", "ours"),
@@ -158,7 +188,7 @@ def _times(peer: float, ours: float) -> str:
 def tier_line(result: Result) -> str:
     parts = [f"{tier} {result.tiers.get(tier, 0):,}" for tier in ("l1", "l2", "coalesced", "miss")]
     errors = "" if result.l2_errors is None else f"; Redis calls failed or timed out: {result.l2_errors:,}"
-    return f"{result.workload}, ours by tier: " + ", ".join(parts) + errors
+    return f"{result.workload}, {result.system} by tier: " + ", ".join(parts) + errors
 
 
 def check_answers(results: Mapping[str, Result], reference: str = "nocache") -> list[str]:
@@ -193,12 +223,79 @@ def check_answers(results: Mapping[str, Result], reference: str = "nocache") -> 
     return lines
 
 
-def target_lines(values: Mapping[str, float]) -> list[str]:
+def _verdict(value: float, op: str, bound: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    return "met" if (value >= bound if op == ">=" else value <= bound) else "SHORT"
+
+
+def target_lines(
+    values: Mapping[str, float], http: HttpRun | None = None, *, in_process: bool = True
+) -> list[str]:
+    """One line per target of what the run measured: met, SHORT or n/a."""
     lines = []
-    for key, minimum in TARGETS.items():
-        value = values[key]
-        verdict = "n/a" if math.isnan(value) else "met" if value >= minimum else "SHORT"
-        lines.append(f"target {key} >= {minimum:g}: {value:.2f} ({verdict})")
+    for key, (op, bound) in TARGETS.items():
+        value = values.get(key, float("nan"))
+        if (key in HTTP_KEYS and http is None) or (key in IN_PROCESS_KEYS and not in_process):
+            continue
+        lines.append(f"target {key} {op} {bound:g}: {value:.3f} ({_verdict(value, op, bound)})")
+    if http is None:
+        return lines
+    for session in (True, False):  # issue 18: a hit costs no more server CPU than gr.cache's
+        ours, peer = http.hit("ours", session, "text"), http.hit("grcache", session, "text")
+        value = ours.cpu_ms / peer.cpu_ms if ours and peer and peer.cpu_ms else float("nan")
+        lines.append(
+            f"target server CPU per cached text answer, ours / grcache through Gradio, "
+            f"{'with' if session else 'without'} a session hash <= 1: {value:.2f} "
+            f"({_verdict(value, '<=', 1.0)})"
+        )
+    for growth in http.memory:
+        if HTTP_PATHS[growth.path][0] != "ours":
+            continue
+        limit = RSS_GROWTH_LIMIT_MB * growth.calls / 3000  # MB over 3,000 calls, scaled to this run's
+        mib = growth.growth_mib * 2**20 / 1e6
+        lines.append(
+            f"target server RSS growth over {growth.calls:,} calls without a session ({growth.path}) "
+            f"<= {limit:.0f} MB: {mib:+.1f} MB ({_verdict(mib, '<=', limit)})"
+        )
+    return lines
+
+
+def http_lines(config: Config, http: HttpRun) -> list[str]:
+    """The HTTP run: the stream's table, the cached answers one at a time, the servers' memory."""
+    plan = session_plan(http.sessions, config.clients)
+    lines = [
+        "",
+        f"zipf-restart over HTTP, {len(http.results)} paths side by side ({config.clients} keep-alive "
+        f"clients per path; Gradio clients with a session hash: {sum(plan)} of {len(plan)}; ours-rest: "
+        "/v2 REST, JSON; CPU: the server process and its Redis; restart: new processes, models loaded "
+        "again):",
+        results_table(http.results),
+    ]
+    lines += [tier_line(r) for name, r in http.results.items() if HTTP_PATHS[name][0] == "ours"]
+    rows = []
+    for hit in http.hits:
+        session = "-" if hit.session is None else "with" if hit.session else "without"
+        tiers = (
+            ", ".join(f"{tier} {count}" for tier, count in sorted(hit.tiers.items()) if tier != "?") or "-"
+        )
+        cpu = "-" if math.isnan(hit.cpu_ms) else f"{hit.cpu_ms:.2f}"
+        rows.append([hit.path, session, hit.task, str(hit.n), fmt_ms(hit.percentile(50)),
+                     fmt_ms(hit.percentile(99)), cpu, tiers])  # fmt: skip
+    if rows:
+        lines += [
+            "",
+            "cached answers, one at a time (one keep-alive client per row, rows interleaved in rounds; "
+            "server CPU: its process and its Redis, per answer; tiers: this app's cache_info):",
+            format_table(
+                ["path", "session hash", "task", "n", "p50 ms", "p99 ms", "server CPU ms", "tiers"], rows
+            ),
+        ]
+    for growth in http.memory:
+        lines.append(
+            f"server memory, {growth.path}: {growth.calls:,} cached text calls without a session hash, RSS "
+            f"{_mib(growth.start_mib)} -> {_mib(growth.end_mib)} MiB ({growth.growth_mib:+.1f} MiB)"
+        )
     return lines
 
 
@@ -225,7 +322,7 @@ def machine_lines() -> list[str]:
 def report_lines(
     config: Config,
     results: Mapping[str, Mapping[str, Result]],
-    http: Mapping[str, Result] | None,
+    http: HttpRun | None,
     values: Mapping[str, float],
     device: str,
 ) -> list[str]:
@@ -240,24 +337,17 @@ def report_lines(
         lines += ["", f"{workload}:", results_table(by_system)]
         if "ours" in by_system:
             lines.append(tier_line(by_system["ours"]))
-    if http:
-        lines += [
-            "",
-            "zipf-restart through the Gradio API (CPU: the server process and its Redis; restart: new "
-            "processes, models loaded again):",
-            results_table(http),
-        ]
-        if "ours" in http:
-            lines.append(tier_line(http["ours"]))
+    if http is not None:
+        lines += http_lines(config, http)
     ratio_input: dict[str, Mapping[str, Result]] = dict(results)
-    if http:
-        ratio_input["zipf-restart (HTTP)"] = http
+    if http is not None:
+        ratio_input["zipf-restart (HTTP)"] = http.results
     lines += ["", ratio_table(ratio_input), ""]
     for by_system in results.values():
         lines += check_answers(by_system)
-    if http and {"ours", "grcache"} <= set(http):
-        lines += check_answers(http, reference="grcache")
-    lines += ["", *target_lines(values)]
+    if http is not None and "grcache" in http.results:
+        lines += check_answers(http.results, reference="grcache")
+    lines += ["", *target_lines(values, http, in_process=bool(results))]
     return lines
 
 
@@ -267,13 +357,13 @@ def write_chart(run: Run, path: Path) -> None:
     from plotly.subplots import make_subplots
 
     panels: list[tuple[str, Mapping[str, Result]]] = list(run.results.items())
-    if run.http:
-        panels.append(("zipf-restart over HTTP", run.http))
+    if run.http is not None:
+        panels.append(("zipf-restart over HTTP", run.http.results))
     titles = [f"latency CDF: {name}" for name, _ in panels] + ["throughput (requests/s)"]
     fig = make_subplots(rows=1, cols=len(panels) + 1, subplot_titles=titles)
     colours = {"nocache": "#7f7f7f", "seed": "#ff7f0e", "grcache": "#1f77b4", "ours": "#2ca02c",
                "ours-l1": "#98df8a", "ours-tcp": "#ff9896", "ours-nobatch": "#c5b0d5",
-               "nocache-twin": "#c7c7c7"}  # fmt: skip
+               "nocache-twin": "#c7c7c7", "ours-rest": "#17becf"}  # fmt: skip
     for col, (_, by_system) in enumerate(panels, start=1):
         for name, result in by_system.items():
             ordered = np.sort(result.latencies_ms)
@@ -296,7 +386,7 @@ def write_chart(run: Run, path: Path) -> None:
         fig.update_xaxes(type="log", title_text="ms (log)", row=1, col=col)
         fig.update_yaxes(title_text="share of requests", range=[0, 1], row=1, col=col)
     bar_col = len(panels) + 1
-    for name in ALL_SYSTEMS:
+    for name in dict.fromkeys(ALL_SYSTEMS + HTTP_SYSTEMS):
         xs = [label for label, by_system in panels if name in by_system]
         ys = [by_system[name].throughput for _, by_system in panels if name in by_system]
         fig.add_trace(
