@@ -48,16 +48,23 @@ class Served:
         return self.gradio_app.get_blocks()
 
 
+def mount_of(app: Any) -> Mount:
+    return next(r for r in app.routes if isinstance(r, Mount))
+
+
 def mounted(app: Any) -> Any:
-    return next(r.app for r in app.routes if isinstance(r, Mount))
+    """The Gradio app behind the cached-call shortcut (ui.cached_calls)."""
+    return mount_of(app).app.gradio_app
 
 
 @pytest.fixture
 def served(make_runtime) -> Iterator[Served]:
     runtime = make_runtime(admin_token=TOKEN)
     app = build_app(runtime)
+    # Every call through Gradio itself, cached ones included: its queue probe is what is tested.
+    gradio_app = mount_of(app).app = mounted(app)
     with BackgroundServer(app, port=free_port()) as server:
-        yield Served(server.url, mounted(app), runtime)
+        yield Served(server.url, gradio_app, runtime)
 
 
 @pytest.fixture

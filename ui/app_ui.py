@@ -79,7 +79,7 @@ def _respond(result: ClassifyResult) -> tuple[dict[str, Any], dict[str, Any]]:
     return result.prediction.as_label_value(), result.cache_info()
 
 
-def _read_upload(path: Path, max_upload_bytes: int) -> bytes:
+def read_upload(path: Path, max_upload_bytes: int) -> bytes:
     """The uploaded file's bytes; the size is checked before reading it."""
     try:
         size = path.stat().st_size
@@ -102,7 +102,7 @@ def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[st
         with user_errors(probe):
             if not image:
                 raise InvalidInputError("no_image", "Please upload an image first.")
-            data = _read_upload(Path(image), max_upload_bytes)
+            data = read_upload(Path(image), max_upload_bytes)
             return _respond(engine.classify("image", data, probe=probe))
 
     def classify_text(message: str | None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -6,6 +6,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import gradio as gr
 import uvicorn
@@ -19,7 +21,8 @@ from admin.tab import CARD_CSS, build_admin_tab
 from api import build_oip_router, oip_body_limit
 from settings import Settings
 from storage.embedded_redis import REDIS_SUBDIR
-from ui.app_ui import build_demo, example_photos
+from ui.app_ui import build_demo, example_photos, read_upload
+from ui.cached_calls import CachedApi, CachedCalls
 from ui.lean_sessions import install_lean_sessions
 from ui.startup import Runtime, ServingApp
 
@@ -67,7 +70,34 @@ def build_app(runtime: Runtime) -> FastAPI:
     gradio_app = next(r.app for r in app.routes if isinstance(r, Mount))
     gradio_app.add_exception_handler(InvalidPathError, _refuse_path)
     install_lean_sessions(gradio_app, demo)
+    # Cached text answers of the two-step HTTP API skip Gradio (see ui.cached_calls).
+    mount = next(r for r in app.routes if isinstance(r, Mount))
+    mount.app = CachedCalls(gradio_app, engine, _cached_call_apis(demo, engine, settings.max_upload_bytes))
     return app
+
+
+def _cached_call_apis(demo: gr.Blocks, engine: Any, max_upload_bytes: int) -> dict[str, CachedApi]:
+    """The classify APIs, each with how its one input becomes the engine's raw input."""
+
+    def text(item: Any) -> str:
+        if not isinstance(item, str):
+            raise TypeError("not a message")
+        return item
+
+    def upload(item: Any) -> bytes:
+        path = item.get("path") if isinstance(item, dict) else None
+        if not isinstance(path, str) or path not in demo.upload_file_set:
+            raise PermissionError("not a file this app received through its upload route")
+        return read_upload(Path(path), max_upload_bytes)
+
+    apis = {}
+    for fn in demo.fns.values():
+        task = (fn.api_name or "").removeprefix("classify_")
+        model = engine.models.get(task)
+        if model is not None and fn.api_name == f"classify_{task}":
+            raw_input = text if getattr(model, "cheap_canonicalize", False) else upload
+            apis[fn.api_name] = CachedApi(task, list(fn.outputs), raw_input)
+    return apis
 
 
 def _private_data_paths(settings: Settings) -> list[str]:

@@ -13,9 +13,8 @@ Gradio app mounted in it, so a Gradio call does not first walk the API routes.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
@@ -27,13 +26,10 @@ from admin.metrics import Metrics
 from admin.service import AdminService
 from engine.service import InferenceEngine
 from settings import Settings
+from ui.asgi import Receive, Scope, Send, respond
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 # Paths served by the FastAPI routes (admin, health, metrics, REST); the rest is Gradio's.
 API_PREFIXES = ("/v2", "/admin/api", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
@@ -165,13 +161,7 @@ class ServingApp:
 
 
 async def _respond(send: Send, status: int, body: Any, *, content_type: str = "application/json") -> None:
-    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = [
-        (b"content-type", content_type.encode()),
-        (b"content-length", str(len(payload)).encode()),
-        (b"cache-control", b"no-store"),
-    ]
+    headers = [(b"cache-control", b"no-store")]
     if status == 503:
         headers.append((b"retry-after", RETRY_AFTER_S.encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+    await respond(send, status, body, content_type=content_type, headers=headers)

@@ -1,0 +1,28 @@
+"""The few ASGI types and the one plain response the serving layer writes by hand."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+async def respond(
+    send: Send,
+    status: int,
+    body: Any,
+    *,
+    content_type: str = "application/json",
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """One complete response: `body` is bytes as given, anything else as JSON."""
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    start = [(b"content-type", content_type.encode()), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": start + (headers or [])})
+    await send({"type": "http.response.body", "body": payload})
