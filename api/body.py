@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect
 
 from api.errors import RequestRefused
+
+# The ASGI `receive` callable the body is pulled from.
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 # Room for the JSON around the tensor data: field names, shape, parameters, and the
 # 4-byte length prefix of each element of a binary batch.
@@ -32,20 +37,27 @@ def _too_large(limit: int) -> RequestRefused:
     return RequestRefused(413, f"The request body is larger than the limit of {limit:,} bytes.")
 
 
-async def read_body(request: Request, *, limit: int) -> bytes:
-    """The whole body, inflated when compressed; RequestRefused(413) past `limit` bytes."""
-    declared = request.headers.get("content-length")
+async def read_body(headers: Mapping[str, str], receive: Receive, *, limit: int) -> bytes:
+    """The whole body, inflated when compressed; RequestRefused(413) past `limit` bytes.
+    `headers`: the request's headers by lower-case name; `receive`: its ASGI receive."""
+    declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)  # refused before a byte of it is read
     chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         received += len(chunk)
         if received > limit:
             raise _too_large(limit)  # the rest is never read; the server closes the connection
         chunks.append(chunk)
-    body = b"".join(chunks)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if not message.get("more_body", False):
+            break
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
         return body
     if encoding in ("gzip", "deflate"):

@@ -19,21 +19,23 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from functools import partial
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 
-from api.body import read_body
+from api.body import Receive, read_body
 from api.errors import RequestRefused
 from api.tensors import (
     OUTPUT_NAMES,
     InferRequest,
     OutputTensor,
     RequestedOutput,
+    dumps,
     encode_infer_response,
     parse_infer_request,
 )
@@ -93,6 +95,25 @@ def build_oip_router(
     """The /v2 routes over `engine`. `max_body_bytes`: see `api.body.oip_body_limit`."""
     router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
 
+    # The infer routes first: the router tries its routes in order, twice per request.
+    serve_infer = partial(_serve_infer, engine, max_body_bytes=max_body_bytes, max_batch=max_batch)
+
+    async def model_infer(model: str, request: Request) -> Response:
+        """Classify a batch of one or more inputs through the cache."""
+        return await _infer_response(serve_infer, request)
+
+    async def model_version_infer(model: str, version: str, request: Request) -> Response:
+        """As /infer, refused with 404 unless `version` is the served model_version."""
+        return await _infer_response(serve_infer, request)
+
+    for path, endpoint in (("/models/{model}/infer", model_infer),
+                           ("/models/{model}/versions/{version}/infer", model_version_infer)):  # fmt: skip
+        setattr(endpoint, _ASGI_HANDLER, serve_infer)  # before the route, which reads it
+        router.add_api_route(
+            path, endpoint, methods=["POST"], openapi_extra=_INFER_DOCS, responses=_INFER_RESPONSES,
+            route_class_override=_InferRoute,
+        )  # fmt: skip
+
     @router.get("")
     def server_metadata() -> dict[str, Any]:
         return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": list(EXTENSIONS)}
@@ -122,25 +143,90 @@ def build_oip_router(
     def model_version_ready(model: str, version: str, request: Request) -> Response:
         return _answer(request, lambda: _readiness(model, _model(engine, model, version)))
 
-    async def infer(model: str, request: Request, version: str | None = None) -> Response:
-        try:
-            return await _infer(engine, model, version, request, max_body_bytes, max_batch)
-        except (RequestRefused, InvalidInputError, ModelError) as exc:
-            return _refusal(request, exc)
-
-    @router.post("/models/{model}/infer", openapi_extra=_INFER_DOCS, responses=_INFER_RESPONSES)
-    async def model_infer(model: str, request: Request) -> Response:
-        """Classify a batch of one or more inputs through the cache."""
-        return await infer(model, request)
-
-    @router.post(
-        "/models/{model}/versions/{version}/infer", openapi_extra=_INFER_DOCS, responses=_INFER_RESPONSES
-    )
-    async def model_version_infer(model: str, version: str, request: Request) -> Response:
-        """As /infer, refused with 404 unless `version` is the served model_version."""
-        return await infer(model, request, version)
-
     return router
+
+
+# ---- the infer routes' fast path ----------------------------------------------
+
+Scope = MutableMapping[str, Any]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
+_ASGI_HANDLER = "oip_asgi_handler"  # the endpoint's attribute naming its plain ASGI handler
+_WANTED_HEADERS = (b"content-length", b"content-encoding", b"inference-header-content-length")
+
+
+class _InferRoute(APIRoute):
+    """An infer route: FastAPI matches and documents it (OpenAPI from the endpoint), but a
+    POST goes straight to the endpoint's plain ASGI handler, without FastAPI's request,
+    dependency and response machinery (most of a cached hit's cost). The endpoint itself
+    answers the same through that handler, should a FastAPI version bypass `handle`."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, endpoint, **kwargs)
+        self._asgi_handler: ASGIHandler | None = getattr(endpoint, _ASGI_HANDLER, None)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self._asgi_handler
+        if handler is None or scope["method"] != "POST":
+            await super().handle(scope, receive, send)  # and FastAPI's 405 for other methods
+            return
+        await handler(scope, receive, send)
+
+
+async def _infer_response(serve_infer: ASGIHandler, request: Request) -> Response:
+    """The handler's answer as a FastAPI response (the fallback path)."""
+    sent: dict[str, Any] = {}
+
+    async def capture(message: MutableMapping[str, Any]) -> None:
+        sent.update(message)
+
+    await serve_infer(request.scope, request.receive, capture)
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in sent["headers"]
+               if k != b"content-length"}  # fmt: skip
+    return Response(sent["body"], status_code=sent["status"], headers=headers)
+
+
+async def _serve_infer(
+    engine: InferenceEngine,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    *,
+    max_body_bytes: int,
+    max_batch: int,
+) -> None:
+    """POST /v2/models/{model}[/versions/{version}]/infer as a plain ASGI handler."""
+    params = scope["path_params"]
+    headers: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        if name in _WANTED_HEADERS and name not in headers:  # the first, as Starlette's Headers
+            headers[name.decode("latin-1")] = value.decode("latin-1")
+    try:
+        content, header_length = await _infer(engine, params["model"], params.get("version"), headers,
+                                              receive, max_body_bytes, max_batch)  # fmt: skip
+    except (RequestRefused, InvalidInputError, ModelError) as exc:
+        status, message = _status(exc)
+        log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], status, message)
+        await _send(send, status, _error_body(message), b"application/json")
+        return
+    if header_length is None:
+        await _send(send, 200, content, b"application/json")
+    else:
+        await _send(send, 200, content, b"application/octet-stream",
+                    (b"inference-header-content-length", str(header_length).encode()))  # fmt: skip
+
+
+async def _send(
+    send: Send, status: int, body: bytes, content_type: bytes, *extra: tuple[bytes, bytes]
+) -> None:
+    headers = [(b"content-length", str(len(body)).encode()), (b"content-type", content_type), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error_body(message: str) -> bytes:
+    # As JSONResponse renders {"error": message}.
+    return json.dumps({"error": message}, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 # ---- metadata ---------------------------------------------------------------
@@ -196,14 +282,16 @@ async def _infer(
     engine: InferenceEngine,
     task: str,
     version: str | None,
-    request: Request,
+    headers: Mapping[str, str],
+    receive: Receive,
     max_body_bytes: int,
     max_batch: int,
-) -> Response:
+) -> tuple[bytes, int | None]:
+    """(body, JSON header length or None for plain JSON), or an exception to refuse with."""
     model = _model(engine, task, version)  # before the body: an unknown model costs no read
-    body = await read_body(request, limit=max_body_bytes)
+    body = await read_body(headers, receive, limit=max_body_bytes)
     parse = partial(
-        parse_infer_request, body, request.headers.get("inference-header-content-length"),
+        parse_infer_request, body, headers.get("inference-header-content-length"),
         input_name=INPUT_NAME, max_elements=max_batch,
     )  # fmt: skip
     parsed = parse() if len(body) <= INLINE_PARSE_BYTES else await anyio.to_thread.run_sync(parse)
@@ -213,12 +301,7 @@ async def _infer(
     if version is not None and any(r.model_version != version for r in results):
         raise RequestRefused(404, f"Model {task!r} was replaced during the request; version {version!r} "
                                   "is no longer served.")  # fmt: skip
-    content, header_length = encode_infer_response(_response_header(task, parsed, results),
-                                                   _outputs(parsed, results))  # fmt: skip
-    if header_length is None:
-        return Response(content, media_type="application/json")
-    return Response(content, media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(header_length)})  # fmt: skip
+    return encode_infer_response(_response_header(task, parsed, results), _outputs(parsed, results))
 
 
 def _engine_input(element: bytes | str, *, text: bool) -> bytes | str:
@@ -267,7 +350,7 @@ async def _classify_all(engine: InferenceEngine, task: str, raws: list[bytes | s
 
 def _response_header(task: str, parsed: InferRequest, results: list[ClassifyResult]) -> dict[str, Any]:
     infos = [r.cache_info() for r in results]
-    parameters: dict[str, Any] = {"cache_info": json.dumps(infos, separators=(",", ":"))}
+    parameters: dict[str, Any] = {"cache_info": dumps(infos).decode()}
     if len(infos) == 1:
         parameters.update(infos[0])
     header: dict[str, Any] = {"model_name": task, "model_version": results[0].model_version}

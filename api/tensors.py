@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from api.errors import RequestRefused
 
@@ -109,13 +110,22 @@ def _json_end(body: bytes, header_length: str | None) -> int:
 
 def _load_json(data: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(data)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 or nested too deeply"
-        raise _refuse(f"The request body is not valid JSON: {detail}.") from None
+        header = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        # orjson is stricter (huge integers, NaN, lone surrogates): the standard parser
+        # decides what is accepted and words the refusal.
+        header = _load_json_slowly(data)
     if not isinstance(header, dict):
         raise _refuse("The request body must be a JSON object with an 'inputs' list.")
     return header
+
+
+def _load_json_slowly(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 or nested too deeply"
+        raise _refuse(f"The request body is not valid JSON: {detail}.") from None
 
 
 def _single_input(header: dict[str, Any], input_name: str) -> dict[str, Any]:
@@ -258,6 +268,15 @@ def _requested_outputs(header: dict[str, Any]) -> tuple[RequestedOutput, ...]:
 # ---- responses --------------------------------------------------------------
 
 
+def dumps(value: Any) -> bytes:
+    """Compact UTF-8 JSON (orjson; the standard encoder for what orjson refuses, e.g. an
+    integer over 64 bits, so that the outcome is the standard encoder's)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def encode_infer_response(
     header: dict[str, Any], outputs: list[tuple[OutputTensor, bool]]
 ) -> tuple[bytes, int | None]:
@@ -275,7 +294,7 @@ def encode_infer_response(
         else:
             entry["data"] = _json_values(tensor)
         described.append(entry)
-    encoded = json.dumps({**header, "outputs": described}, separators=(",", ":"), ensure_ascii=False).encode()
+    encoded = dumps({**header, "outputs": described})
     if not binary_parts:
         return encoded, None
     return b"".join([encoded, *binary_parts]), len(encoded)
