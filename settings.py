@@ -7,6 +7,8 @@ the environment themselves.
 from __future__ import annotations
 
 import os
+import re
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +69,28 @@ def _admin_token(env: Mapping[str, str]) -> str | None:
     return token
 
 
+# A replica id names a process in the request log, the audit log and the replica registry:
+# short and printable, so it can sit in a Redis key and a SQL column (String(64)).
+_REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+def default_replica_id() -> str:
+    """`<hostname>-<pid>`: unique per process on a host, readable in the console."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:48].strip("-.") or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _replica_id(env: Mapping[str, str]) -> str:
+    value = env.get("REPLICA_ID", "").strip()
+    if not value:
+        return default_replica_id()
+    if not _REPLICA_ID.fullmatch(value):
+        raise SettingsError(
+            f"REPLICA_ID={value!r} must be 1-64 characters of letters, digits, '.', '_', ':' or '-'"
+        )
+    return value
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -91,6 +115,8 @@ class Settings:
     redis_url: str | None = None
     data_dir: Path = field(default_factory=lambda: Path("data"))
     database_url: str | None = None
+    # Names this process in the request and audit logs and in the replica registry.
+    replica_id: str = field(default_factory=default_replica_id)
     admin_token: str | None = None
     cache_prefix: str = "infcache"
     cache_l1_max_bytes: int = 256 * MIB
@@ -154,6 +180,7 @@ class Settings:
             redis_url=redis_url,
             data_dir=Path(env.get("DATA_DIR", "").strip() or "data"),
             database_url=env.get("DATABASE_URL", "").strip() or None,
+            replica_id=_replica_id(env),
             admin_token=_admin_token(env),
             cache_prefix=env.get("CACHE_PREFIX", "").strip() or "infcache",
             cache_l1_max_bytes=_int(env, "CACHE_L1_MAX_BYTES", 256 * MIB, minimum=0),

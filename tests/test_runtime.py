@@ -33,6 +33,11 @@ class TestSettings:
         assert (settings.cache_l1_max_bytes, settings.cache_ttl_s) == (1024, 5)
         assert settings.admin_token == "secret-token"
 
+    def test_replica_id_defaults_to_host_and_process(self) -> None:
+        default = Settings.from_env({}).replica_id
+        assert default.endswith(f"-{os.getpid()}") and len(default) <= 64
+        assert Settings.from_env({"REPLICA_ID": " app-2 "}).replica_id == "app-2"
+
     @pytest.mark.parametrize(
         ("env", "message"),
         [
@@ -41,6 +46,8 @@ class TestSettings:
             ({"REDIS_URL": "localhost:6379"}, "REDIS_URL"),
             ({"CACHE_TTL_S": "0"}, "CACHE_TTL_S"),
             ({"MAX_IMAGE_PIXELS": "999999999"}, "MAX_IMAGE_PIXELS"),
+            ({"REPLICA_ID": "two words"}, "REPLICA_ID"),
+            ({"REPLICA_ID": "x" * 65}, "REPLICA_ID"),
         ],
     )
     def test_refuses_unusable_values_with_the_variable_name(self, env, message) -> None:
