@@ -99,6 +99,11 @@ class RedisStore:
         self._breaker.record_success()
         return result
 
+    def call(self, operation: Callable[[], T]) -> T:
+        """One command of another storage module that keeps keys in this Redis (the fleet's
+        leases), through the same breaker and error mapping as the store's own calls."""
+        return self._call(operation)
+
     def get(self, key: str) -> bytes | None:
         return self._call(lambda: self._client.get(key))
 
@@ -151,6 +156,18 @@ class RedisStore:
     def delete(self, key: str) -> bool:
         return bool(self._call(lambda: self._client.unlink(key)))
 
+    def get_with_ttl(self, key: str) -> tuple[bytes | None, float | None]:
+        """The value and the seconds before it expires (None: absent, or no TTL), one round trip."""
+
+        def pipelined() -> list[Any]:
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.get(key)
+                pipe.pttl(key)
+                return pipe.execute()
+
+        value, pttl = self._call(pipelined)
+        return value, (int(pttl) / 1000.0 if value is not None and int(pttl) >= 0 else None)
+
     def ping(self) -> bool:
         return bool(self._call(self._client.ping))
 
@@ -158,8 +175,8 @@ class RedisStore:
         raw = self._call(lambda: self._client.get(key))
         return int(raw) if raw is not None else 0
 
-    def incr(self, key: str) -> int:
-        return int(self._call(lambda: self._client.incr(key)))
+    def incr(self, key: str, amount: int = 1) -> int:
+        return int(self._call(lambda: self._client.incr(key, amount)))
 
     def _scan(self, match: str) -> Iterator[list[bytes]]:
         cursor: Any = 0
