@@ -148,6 +148,48 @@ def build_oip_router(
 
 # ---- the infer routes' fast path ----------------------------------------------
 
+
+class DirectInfer:
+    """The infer routes as one plain ASGI app that a server may call before any routing or
+    middleware (`ui.startup.ServingApp` does): a cached hit then costs the HTTP parse, the
+    engine's memory lookup and the encoding, nothing else. The same handler answers through
+    the FastAPI routes, which stay for the OpenAPI page and any other server."""
+
+    PREFIX = "/v2/models/"
+    SUFFIX = "/infer"
+
+    def __init__(self, engine: InferenceEngine, *, max_body_bytes: int, max_batch: int = MAX_BATCH) -> None:
+        self._serve = partial(_serve_infer, engine, max_body_bytes=max_body_bytes, max_batch=max_batch)
+
+    def path_params(self, scope: Scope) -> dict[str, str] | None:
+        """The route's path parameters when `scope` is an infer request, else None."""
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return None
+        path: str = scope["path"]
+        if not (path.startswith(self.PREFIX) and path.endswith(self.SUFFIX)):
+            return None
+        parts = path[len(self.PREFIX) : -len(self.SUFFIX)].split("/")
+        if len(parts) == 1 and parts[0]:
+            return {"model": parts[0]}
+        if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
+            return {"model": parts[0], "version": parts[2]}
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, tracked)
+        except Exception:  # what Starlette's ServerErrorMiddleware does on the routed path
+            log.exception("infer failed: %s %s", scope["method"], scope["path"][:200])
+            if not started:
+                await _send(send, 500, _error_body("Internal server error."), b"application/json")
+
 Scope = MutableMapping[str, Any]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -297,7 +339,7 @@ async def _infer(
     parsed = parse() if len(body) <= INLINE_PARSE_BYTES else await anyio.to_thread.run_sync(parse)
     text = _takes_text(model)
     raws = [_engine_input(element, text=text) for element in parsed.elements]
-    results = await _classify_all(engine, task, raws)
+    results = await _classify_all(engine, task, raws, from_memory=len(body) <= INLINE_PARSE_BYTES)
     if version is not None and any(r.model_version != version for r in results):
         raise RequestRefused(404, f"Model {task!r} was replaced during the request; version {version!r} "
                                   "is no longer served.")  # fmt: skip
@@ -318,13 +360,23 @@ def _engine_input(element: bytes | str, *, text: bool) -> bytes | str:
         raise RequestRefused(400, "The message is not valid UTF-8 text.") from None
 
 
-async def _classify_all(engine: InferenceEngine, task: str, raws: list[bytes | str]) -> list[ClassifyResult]:
-    """Every element through the cache, in threads (the engine blocks), up to
-    BATCH_CONCURRENCY at once so that concurrent text misses share a forward pass."""
+async def _classify_all(
+    engine: InferenceEngine, task: str, raws: list[bytes | str], *, from_memory: bool
+) -> list[ClassifyResult]:
+    """Every element through the cache. With `from_memory` (small inputs: hashing them costs
+    microseconds) answers held in this replica's memory are taken on the event loop; the
+    rest go to threads (the engine blocks on Redis and the model), up to BATCH_CONCURRENCY
+    at once so that concurrent text misses share a forward pass."""
+    results: list[ClassifyResult | None] = [None] * len(raws)
+    if from_memory:
+        for index, raw in enumerate(raws):
+            results[index] = engine.classify_from_memory(task, raw, route=ROUTE)
+    missing = [index for index, result in enumerate(results) if result is None]
+    if not missing:
+        return [r for r in results if r is not None]
     classify = partial(engine.classify, task, route=ROUTE)
     if len(raws) == 1:
         return [await anyio.to_thread.run_sync(classify, raws[0])]
-    results: list[ClassifyResult | None] = [None] * len(raws)
     errors: list[InvalidInputError | ModelError | None] = [None] * len(raws)
     slots = anyio.Semaphore(BATCH_CONCURRENCY)
 
@@ -336,7 +388,7 @@ async def _classify_all(engine: InferenceEngine, task: str, raws: list[bytes | s
                 errors[index] = exc
 
     async with anyio.create_task_group() as group:
-        for index in range(len(raws)):
+        for index in missing:
             group.start_soon(one, index)
     # OIP has no per-element errors: the batch fails as a whole. Bad input outranks a
     # model failure (retrying the same batch would not help); then the lowest index.

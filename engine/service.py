@@ -251,8 +251,28 @@ class InferenceEngine:
         self._emit_result(task, result, route)
         return result
 
+    def classify_from_memory(self, task: str, raw: Any, *, route: str) -> ClassifyResult | None:
+        """The answer when this replica's memory (L1) holds it, else None; never blocks (no
+        Redis, no model, no decode), so an event loop may call it for a small input. A hit
+        is logged and counted as `classify` would; anything else is left to `classify`."""
+        started = time.perf_counter()
+        model = self._models.get(task)
+        if model is None:
+            return None
+        generation = self._generation.current
+        # An unavailable budget keeps every lookup in L1; a probe never writes L2, so the
+        # write batch (whose last request out sends the waiting writes) is not entered.
+        try:
+            result = self._classify(task, model, raw, generation, True, started, _L2Budget(False))
+        except (ProbeMiss, InvalidInputError):
+            return None
+        self._emit_result(task, result, route)
+        return result
+
     def close(self) -> None:
         """Stop the write timer and send the L2 writes still waiting (before the store closes)."""
+        if self._shadow is not None:
+            self._shadow.close()
         self._write_timer.close()
         waiting = self._writes.take()
         if waiting:

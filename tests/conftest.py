@@ -144,13 +144,13 @@ def make_runtime(base_settings: Settings, tmp_path: Path) -> Iterator[Callable[.
 @pytest.fixture
 def serve(make_runtime: Callable[..., Runtime]) -> Iterator[Callable[..., tuple[str, Runtime]]]:
     """Serve apps built from `make_runtime(**args)` on free ports; all stopped at teardown."""
-    from ui.server import BackgroundServer, build_app
+    from ui.server import serve_runtime
 
     servers: list[Any] = []
 
     def start(**runtime_args: Any) -> tuple[str, Runtime]:
         runtime = make_runtime(**runtime_args)
-        server = BackgroundServer(build_app(runtime), port=free_port()).start()
+        server = serve_runtime(runtime, port=free_port())  # the path `make run` serves
         servers.append(server)
         return server.url, runtime
 

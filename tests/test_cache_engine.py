@@ -598,3 +598,33 @@ class TestMissesShareForwardPasses:
         assert runtime.engine._batchers == {}
         list(pool.map(lambda t: runtime.engine.classify("text", t), [f"message {k}" for k in range(12)]))
         assert all(len(batch) == 1 for batch in model.batches) and len(model.batches) == 12
+
+
+@pytest.mark.parametrize("cheap", [True, False], ids=["text-like", "upload-like"])
+def test_a_memory_answer_comes_only_from_l1_and_is_logged(make_runtime, redis_server, cheap) -> None:
+    """`classify_from_memory` (the REST path's answer on the event loop): L1 hits only,
+    logged as requests of their route; never Redis, the model or a decode."""
+    model = CountingTextModel(cheap=cheap)
+    records = []
+    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+    engine = runtime.engine
+    engine.add_listener(records.append)
+    assert engine.classify_from_memory("text", "new question", route="rest") is None  # a miss: no answer
+    first = engine.classify("text", "new question")
+    # Another spelling of a text is canonicalized (microseconds); an upload must be the same bytes.
+    hit = engine.classify_from_memory("text", "  new   question " if cheap else "new question", route="rest")
+    assert hit is not None and hit.tier == "l1" and hit.key == first.key
+    assert hit.prediction == first.prediction and model.calls == 1
+    assert [(r.route, r.tier) for r in records] == [("gradio", "miss"), ("rest", "l1")]
+
+    engine.flush("l1")  # in Redis only now: left to classify, which may block on it
+    canonicalize = model.canonicalize
+    model.canonicalize = lambda raw: pytest.fail("decoded on the memory path")  # type: ignore[method-assign]
+    if not cheap:
+        assert engine.classify_from_memory("text", "new question", route="rest") is None
+    model.canonicalize = canonicalize  # type: ignore[method-assign]
+    assert engine.classify_from_memory("text", "new question", route="rest") is None
+    assert engine.classify("text", "new question").tier == "l2"
+    assert engine.classify_from_memory("text", "", route="rest") is None  # bad input: classify's to refuse
+    assert engine.classify_from_memory("nope", "x", route="rest") is None
+    assert model.calls == 1 and len(records) == 3

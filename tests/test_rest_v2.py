@@ -24,13 +24,13 @@ from gradio_client import Client
 from sqlalchemy import select
 from tritonclient.utils import InferenceServerException
 
-from api import build_oip_router, oip_body_limit
+from api import DirectInfer, build_oip_router, oip_body_limit
 from runtime import Runtime, build_runtime
 from settings import Settings
 from storage.embedded_redis import EmbeddedRedis
 from storage.sql import RequestRow, make_engine
 from tests.conftest import CountingTextModel, FailingModel, free_port
-from ui.server import BackgroundServer, build_app
+from ui.server import BackgroundServer, build_app, serve_runtime
 
 PARCEL = "Where is my parcel? It's a week late"
 CACHE_INFO_FIELDS = {"tier", "key", "model", "model_version", "generation", "latency_ms", "device", "age_s"}
@@ -48,7 +48,7 @@ class Served:
 
 
 def _serve(runtime: Runtime) -> tuple[BackgroundServer, Served]:
-    server = BackgroundServer(build_app(runtime), port=free_port()).start()
+    server = serve_runtime(runtime, port=free_port())  # the path `make run` serves
     client = triton.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=120)
     return server, Served(server.url, runtime, client)
 
@@ -537,3 +537,64 @@ def test_a_slow_miss_blocks_neither_the_server_nor_hits(serve_standin) -> None:
     slow.join(timeout=30)
     assert live.status_code == 200 and hit.json()["parameters"]["tier"] == "l1"
     assert elapsed < 1.0, f"health and a hit took {elapsed:.2f}s behind a 1.5 s miss"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "params"),
+    [
+        ("POST", "/v2/models/text/infer", {"model": "text"}),
+        ("POST", "/v2/models/image/versions/abc123/infer", {"model": "image", "version": "abc123"}),
+        ("GET", "/v2/models/text/infer", None),  # FastAPI's 405
+        ("POST", "/v2/models//infer", None),
+        ("POST", "/v2/models/a/b/infer", None),
+        ("POST", "/v2/models/text/versions//infer", None),
+        ("POST", "/v2/models/text/ready", None),
+        ("POST", "/v2/models/text/inference", None),
+        ("POST", "/gradio_api/call/classify_text", None),
+    ],
+)
+def test_direct_infer_takes_exactly_the_infer_routes(make_runtime, method, path, params) -> None:
+    direct = DirectInfer(make_runtime().engine, max_body_bytes=1000)
+    assert direct.path_params({"type": "http", "method": method, "path": path}) == params
+
+
+def test_the_fastapi_routes_answer_as_the_direct_path(make_runtime) -> None:
+    """Another server (no ServingApp in front) reaches the same handler through FastAPI."""
+    runtime = make_runtime(max_upload_bytes=SMALL_UPLOAD)
+    direct_server, direct = _serve(runtime)
+    with BackgroundServer(build_app(runtime), port=free_port()) as routed_server:
+        first = direct.post("/v2/models/text/infer", json=json_body(["routed twice"])).json()
+        routed = httpx.post(routed_server.url + "/v2/models/text/infer", json=json_body(["routed twice"]))
+        assert routed.status_code == 200
+        body = routed.json()
+        assert first["parameters"]["tier"] == "miss" and body["parameters"]["tier"] == "l1"
+        assert body["outputs"] == first["outputs"] and body["model_version"] == first["model_version"]
+        for path, status in (("/v2/models/nope/infer", 404), ("/v2/models/text/infer", 400)):
+            body = json_body(["" if status == 400 else "x"])
+            answers = [httpx.post(url + path, json=body) for url in (direct.url, routed_server.url)]
+            assert [a.status_code for a in answers] == [status, status]
+            assert answers[0].json() == answers[1].json()
+    direct.client.close()
+    direct_server.close()
+
+
+def test_an_unexpected_failure_is_a_500_without_a_trace(make_runtime, caplog) -> None:
+    engine = make_runtime().engine
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("secret internal detail")
+
+    engine.classify_from_memory = broken  # type: ignore[method-assign]
+    direct = DirectInfer(engine, max_body_bytes=1000)
+
+    async def post() -> httpx.Response:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            scope["path_params"] = direct.path_params(scope)
+            await direct(scope, receive, send)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v2/models/text/infer", json=json_body(["boom"]))
+
+    response = anyio.run(post)
+    assert response.status_code == 500 and response.json() == {"error": "Internal server error."}
+    assert "secret internal detail" in caplog.text and "Traceback" in caplog.text  # logged, not sent

@@ -18,7 +18,7 @@ from starlette.routing import Mount
 
 from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
-from api import build_oip_router, oip_body_limit
+from api import DirectInfer, build_oip_router, oip_body_limit
 from settings import Settings
 from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos, read_upload
@@ -39,7 +39,10 @@ def build_app(runtime: Runtime) -> FastAPI:
     app.include_router(
         build_router(engine=engine, admin=runtime.admin, auth=runtime.auth, metrics=runtime.metrics)
     )
-    app.include_router(build_oip_router(engine, max_body_bytes=oip_body_limit(settings.max_upload_bytes)))
+    oip_limit = oip_body_limit(settings.max_upload_bytes)
+    app.include_router(build_oip_router(engine, max_body_bytes=oip_limit))
+    # REST infer calls skip FastAPI's routing and middleware when served by ServingApp.
+    app.state.direct_routes = (DirectInfer(engine, max_body_bytes=oip_limit),)
     demo = build_demo(
         engine,
         max_upload_bytes=settings.max_upload_bytes,
@@ -118,7 +121,7 @@ async def _refuse_path(request: Request, error: Exception) -> JSONResponse:
 class BackgroundServer:
     """Runs the app in a thread (tests, benchmarks). `close()` stops it."""
 
-    def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", port: int) -> None:
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int) -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
@@ -144,6 +147,24 @@ class BackgroundServer:
         self.close()
 
 
+def serve_runtime(
+    runtime: Runtime, *, host: str = "127.0.0.1", port: int, timeout_s: float = 60.0
+) -> BackgroundServer:
+    """A started server of `runtime` in a thread, on the path `serve` takes (the readiness
+    gate and its routing, the app built from `runtime`), ready when it returns. The caller
+    owns `runtime` and closes it after the server (tests, benchmarks)."""
+    serving = ServingApp(runtime.settings, build_runtime=lambda _settings: runtime, build_app=build_app,
+                         close_runtime=False)  # fmt: skip
+    server = BackgroundServer(serving, host=host, port=port).start(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while not serving.ready:
+        if serving.failure is not None or time.monotonic() > deadline:
+            server.close()
+            raise RuntimeError(f"the app did not become ready: {serving.failure!r}")
+        time.sleep(0.02)
+    return server
+
+
 def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -> None:
     """Listens at once, builds the runtime (with `build_runtime`, which `app.py` takes from
     the composition root) and the app behind a readiness gate, and blocks until the process
@@ -159,6 +180,9 @@ def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -
     config = uvicorn.Config(
         serving, host=settings.host, port=settings.port, log_level="info", lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # A line per request costs more server CPU than a cached answer; the request log
+        # (console) and /metrics record every request.
+        access_log=False,
     )  # fmt: skip
     server = uvicorn.Server(config)
     server.run()

@@ -6,8 +6,10 @@ While the runtime (models, stores) and the app are built in the background,
 notice that reloads itself. Once everything is up (and Redis has answered, or
 `READY_L2_WAIT_S` has passed) every request goes to the app.
 
-It also routes: API paths go to the FastAPI app, everything else straight to the
-Gradio app mounted in it, so a Gradio call does not first walk the API routes.
+It also routes: the app's direct routes (`app.state.direct_routes`: the REST infer
+calls) are called before any routing or middleware, API paths go to the FastAPI app,
+everything else straight to the Gradio app mounted in it, so a Gradio call does not
+first walk the API routes.
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
+class DirectRoute(Protocol):
+    """A plain ASGI app for the requests whose path parameters it finds (`api.DirectInfer`)."""
+
+    def path_params(self, scope: Scope) -> dict[str, str] | None: ...
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
+
+
 class ServingApp:
     """The ASGI app: a start-up gate in front of the app that `build_app(runtime)` makes."""
 
@@ -70,13 +80,16 @@ class ServingApp:
         build_runtime: Callable[[Settings], Runtime],
         build_app: Callable[[Runtime], FastAPI],
         on_failure: Callable[[BaseException], None] | None = None,
+        close_runtime: bool = True,
     ) -> None:
         self._settings = settings
+        self._close_runtime = close_runtime  # False: the runtime has another owner (tests)
         self._build_runtime = build_runtime
         self._build_app = build_app
         self._on_failure = on_failure
         self._app: FastAPI | None = None
         self._gradio: Any = None  # the mounted Gradio app, reached without the API routes
+        self._direct: tuple[DirectRoute, ...] = ()
         self._starting: asyncio.Task[None] | None = None
         self._stack = AsyncExitStack()
         self.runtime: Runtime | None = None
@@ -93,7 +106,14 @@ class ServingApp:
         app = self._app
         if app is None:
             await self._not_ready(scope, receive, send)
-        elif self._gradio is not None and not scope["path"].startswith(API_PREFIXES):
+            return
+        for route in self._direct:
+            params = route.path_params(scope)
+            if params is not None:
+                scope["path_params"] = params
+                await route(scope, receive, send)
+                return
+        if self._gradio is not None and not scope["path"].startswith(API_PREFIXES):
             await self._gradio(scope, receive, send)
         else:
             await app(scope, receive, send)
@@ -115,12 +135,14 @@ class ServingApp:
         try:
             runtime = await asyncio.to_thread(self._build_runtime, self._settings)
             self.runtime = runtime
-            self._stack.push_async_callback(asyncio.to_thread, runtime.close)
+            if self._close_runtime:
+                self._stack.push_async_callback(asyncio.to_thread, runtime.close)
             app = await asyncio.to_thread(self._build_app, runtime)
             # The app's lifespan starts Gradio's queue; uvicorn ran ours long before.
             await self._stack.enter_async_context(app.router.lifespan_context(app))
             await asyncio.to_thread(runtime.wait_for_l2, self._settings.ready_l2_wait_s)
             self._gradio = next((r.app for r in app.routes if isinstance(r, Mount) and r.path == ""), None)
+            self._direct = tuple(getattr(app.state, "direct_routes", ()))
             self._app = app
             log.info("ready: serving on port %s", self._settings.port)
         except Exception as exc:
@@ -133,6 +155,7 @@ class ServingApp:
         if self._starting is not None and not self._starting.done():
             await asyncio.shield(self._starting)  # a half-built runtime is closed, not abandoned
         self._app = self._gradio = None
+        self._direct = ()
         await self._stack.aclose()
 
     # ---- while not ready --------------------------------------------------------
