@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from admin.auth import AdminAuth, generate_token
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
+from engine.codec import ValueCodec
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.models.base import Classifier
 from engine.service import CachePolicy, InferenceEngine
@@ -140,6 +141,8 @@ def build_runtime(
             models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice,
             batch_max_size=settings.batch_max_size,
             miss_concurrency={task: settings.miss_concurrency_for(m.device) for task, m in loaded.items()},
+            codec=ValueCodec([key.encode() for key in settings.cache_signing_keys]),
+            shadow_sample_rate=settings.shadow_sample_rate,
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
         if isinstance(generation, RedisGeneration):

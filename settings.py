@@ -91,6 +91,27 @@ def _replica_id(env: Mapping[str, str]) -> str:
     return value
 
 
+def _signing_keys(env: Mapping[str, str]) -> tuple[str, ...]:
+    """CACHE_SIGNING_KEYS=new,old (rotation) or CACHE_SIGNING_KEY=one; newest first."""
+    many = env.get("CACHE_SIGNING_KEYS", "").strip()
+    one = env.get("CACHE_SIGNING_KEY", "").strip()
+    if many and one:
+        raise SettingsError("set CACHE_SIGNING_KEY or CACHE_SIGNING_KEYS, not both")
+    keys = tuple(k.strip() for k in many.split(",")) if many else ((one,) if one else ())
+    for number, key in enumerate(keys, start=1):
+        # The value itself never goes into a message: this is a secret.
+        if len(key.encode()) < MIN_SIGNING_KEY_BYTES:
+            raise SettingsError(f"cache signing key #{number} must be at least {MIN_SIGNING_KEY_BYTES} bytes")
+    return keys
+
+
+def _rate(env: Mapping[str, str], name: str, default: float) -> float:
+    value = _float(env, name, default, minimum=0.0)
+    if value > 1.0:
+        raise SettingsError(f"{name}={value} must be between 0 and 1")
+    return value
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -102,6 +123,7 @@ def usable_cores() -> int:
 # cores (a pass uses about one; more only contend), on CUDA a few (kernels of small passes
 # overlap; more queue on the device).
 MISS_CONCURRENCY_CUDA = 4
+MIN_SIGNING_KEY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -145,6 +167,10 @@ class Settings:
     # At start-up, how long readiness waits for Redis before it declares the replica ready
     # without L2 (it keeps serving from L1 and the model; the breaker finds Redis later).
     ready_l2_wait_s: float = 10.0
+    # HMAC keys for L2 values, newest first (empty: an unsigned checksum). Never in repr.
+    cache_signing_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Share of cache hits recomputed off the request path, while the model is idle (0: off).
+    shadow_sample_rate: float = 0.01
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -201,4 +227,6 @@ class Settings:
             max_text_chars=_int(env, "MAX_TEXT_CHARS", 2000, minimum=1),
             log_retention_days=_float(env, "LOG_RETENTION_DAYS", 30.0, minimum=0.001),
             log_max_rows=_int(env, "LOG_MAX_ROWS", 1_000_000, minimum=100),
+            cache_signing_keys=_signing_keys(env),
+            shadow_sample_rate=_rate(env, "SHADOW_SAMPLE_RATE", 0.01),
         )

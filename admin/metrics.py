@@ -38,6 +38,9 @@ class _CacheStateCollector(Collector):
         )
         yield CounterMetricFamily("infcache_l2_corrupt_values", "Undecodable L2 values deleted",
                                   value=counters.corrupt_values)  # fmt: skip
+        yield CounterMetricFamily("infcache_l2_forged_values", "L2 values refused: bad or no signature",
+                                  value=counters.forged_values)  # fmt: skip
+        yield from shadow_metrics(self._engine)
         breaker = GaugeMetricFamily(
             "infcache_l2_breaker_state", "L2 circuit breaker: 0 closed, 1 half-open, 2 open, -1 disabled"
         )
@@ -60,6 +63,25 @@ class _CacheStateCollector(Collector):
             yield GaugeMetricFamily(
                 "infcache_log_queue_depth", "Request-log rows waiting", value=writer.queued
             )
+
+
+def shadow_metrics(engine: InferenceEngine) -> Iterator[CounterMetricFamily]:
+    """Shadow verification by task (absent when SHADOW_SAMPLE_RATE is 0)."""
+    shadow = engine.shadow
+    if shadow is None:
+        return
+    stats = shadow.stats()
+    checks = CounterMetricFamily("infcache_shadow_checks", "Cache hits recomputed and compared",
+                                 labels=["task"])  # fmt: skip
+    mismatches = CounterMetricFamily("infcache_shadow_mismatches", "Shadow checks that disagreed (evicted)",
+                                     labels=["task"])  # fmt: skip
+    for task in engine.models:
+        checks.add_metric([task], stats.checks.get(task, 0))
+        mismatches.add_metric([task], stats.mismatches.get(task, 0))
+    yield checks
+    yield mismatches
+    yield CounterMetricFamily("infcache_shadow_dropped", "Sampled hits not checked (model busy, queue full)",
+                              value=stats.dropped)  # fmt: skip
 
 
 def batch_size_histogram(batch_sizes: dict[str, dict[int, int]]) -> HistogramMetricFamily:

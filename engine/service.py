@@ -22,14 +22,16 @@ from engine.codec import (
     CachedRejection,
     CachedResult,
     CachedValue,
+    ForgedValue,
     UndecodableValue,
-    decode,
-    encode,
+    ValueCodec,
 )
+from engine.entries import EntryReport, EvictResult, entry_key, inspect_entry
 from engine.errors import CacheUnavailableError, InvalidInputError, ModelError
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.keys import CacheKey, digest_parts, raw_digest
 from engine.models.base import Classifier, Prediction
+from engine.shadow import ShadowVerifier
 from engine.singleflight import SingleFlight
 from engine.write_batch import L2Write, OverdueWriteTimer, WriteBatch
 from storage.memory import MemoryStore
@@ -108,6 +110,7 @@ class EngineCounters:
     invalid: int = 0
     errors: int = 0
     corrupt_values: int = 0
+    forged_values: int = 0  # L2 values whose signature is missing or wrong (signing on)
     l2_errors: int = 0
     model_calls: dict[str, int] = field(default_factory=dict)
     model_seconds: dict[str, float] = field(default_factory=dict)
@@ -151,8 +154,11 @@ class InferenceEngine:
         clock: Callable[[], float] = time.time,
         batch_max_size: int = 1,
         miss_concurrency: Mapping[str, int] | None = None,
+        codec: ValueCodec | None = None,
+        shadow_sample_rate: float = 0.0,
     ) -> None:
         self._models = dict(models)
+        self._codec = codec or ValueCodec()  # unsigned (checksum) unless given signing keys
         # Only models that gain from it batch (see engine.batching): one pass at a time, the
         # misses that wait meanwhile share the next. The others run up to their limit at once.
         self._batchers = {
@@ -191,6 +197,14 @@ class InferenceEngine:
             self._write_timer.start()
         # Entries of an old generation can never be read again: free their memory.
         generation.subscribe(lambda _old, _new: self._l1.clear())
+        # A sample of hits recomputed off the request path while no request is inside.
+        self._shadow: ShadowVerifier | None = None
+        if shadow_sample_rate > 0:
+            self._shadow = ShadowVerifier(
+                rate=shadow_sample_rate, model_for=lambda task: self._models.get(task), evict=self.evict,
+                idle=lambda: self._writes.in_flight == 0,
+            )  # fmt: skip
+            self._shadow.start()
 
     # ---- public API -------------------------------------------------------
 
@@ -300,6 +314,43 @@ class InferenceEngine:
                     l2_error = str(exc)
         log.info("flush %s: l1=%s l2=%s %s", tier, l1_removed, l2_removed, l2_error or "")
         return FlushResult(tier, l1_removed, l2_removed, l2_error)
+
+    def entry_key(self, task: str, raw: Any) -> str:
+        """The canonical key a request for `raw` would use now (raises InvalidInputError)."""
+        model = self._models.get(task)
+        if model is None:
+            raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
+        return entry_key(task, model, raw, prefix=self._policy.prefix, generation=self._generation.current)
+
+    def inspect(self, task: str, raw: Any) -> EntryReport:
+        """What each tier holds for `raw` now; changes nothing (see engine.entries)."""
+        key = self.entry_key(task, raw)
+        return inspect_entry(task=task, key=key, model=self._models[task], generation=int(key.split(":")[-2]),
+                             l1=self._l1, l2=self._l2, codec=self._codec, clock=self._clock)  # fmt: skip
+
+    def evict(self, key: str) -> EvictResult:
+        """Remove one entry from this replica's L1 and from L2. The one place an eviction
+        happens (operator, shadow verification): a fleet-wide L1 eviction hooks in here."""
+        removed_l1 = self._l1.delete(key)
+        removed_l2: bool | None = None
+        error = None
+        if self._l2 is not None:
+            try:
+                removed_l2 = self._l2.delete(key)
+            except CacheUnavailableError as exc:
+                error = str(exc)
+        log.warning("evicted %s: l1=%s l2=%s %s", key, removed_l1, removed_l2, error or "")
+        return EvictResult(key, removed_l1, removed_l2, error)
+
+    @property
+    def shadow(self) -> ShadowVerifier | None:
+        """The shadow verifier (None when SHADOW_SAMPLE_RATE is 0): stats() for the console."""
+        return self._shadow
+
+    @property
+    def signed(self) -> bool:
+        """Whether L2 values are signed (CACHE_SIGNING_KEY(S))."""
+        return self._codec.signed
 
     def cache_state(self) -> dict[str, Any]:
         """Live state for the UI, /readyz and the console."""
@@ -415,6 +466,8 @@ class InferenceEngine:
             model_ms = None
         if pending_alias is not None and not pending_alias.sent:
             self._write_l2([pending_alias], budget)
+        if self._shadow is not None and tier in ("l1", "l2"):
+            self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
         self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
                      "coalesced": "coalesced"}[tier])  # fmt: skip
         now = self._clock()
@@ -506,12 +559,13 @@ class InferenceEngine:
         if raw is None:
             return None, "miss"
         try:
-            value = decode(raw, key=key)
+            value = self._codec.decode(raw, key=key)
             if not isinstance(value, expected):
                 raise UndecodableValue(f"{type(value).__name__} under a {expected[0].__name__} key")
         except UndecodableValue as exc:
-            log.warning("deleting undecodable L2 value at %s: %s", key, exc)
-            self._count("corrupt_values")
+            forged = isinstance(exc, ForgedValue)
+            log.warning("deleting %s L2 value at %s: %s", "forged" if forged else "undecodable", key, exc)
+            self._count("forged_values" if forged else "corrupt_values")
             try:
                 self._l2.delete(key)
             except CacheUnavailableError:
@@ -530,7 +584,7 @@ class InferenceEngine:
         self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float, budget: _L2Budget | None
     ) -> bytes:
         """L1, and L2 unless `budget` is None (L1 only) or spent; returns the encoded value."""
-        blob = encode(value, key=key)
+        blob = self._codec.encode(value, key=key)
         self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
         if budget is not None:
             self._write_l2([L2Write(key, blob, l2_ttl_s)], budget)

@@ -57,6 +57,11 @@ class WriteBatch:
         self._waiting: list[L2Write] = []
         self._oldest = 0.0
 
+    @property
+    def in_flight(self) -> int:
+        """Requests inside the engine now (a plain read: a hint, e.g. "is the model idle")."""
+        return self._in_flight
+
     def enter(self) -> None:
         """A request starts."""
         with self._lock:

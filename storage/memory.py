@@ -85,6 +85,12 @@ class MemoryStore:
             self._cache[key] = _Item(value, size, ttl)
         return True
 
+    def peek(self, key: str) -> Any | None:
+        """The value without counting a hit or a miss (an operator looking, not a request)."""
+        with self._lock:
+            item = self._cache.get(key)
+        return None if item is None else item.value
+
     def delete(self, key: str) -> bool:
         with self._lock:
             return self._cache.pop(key, None) is not None
