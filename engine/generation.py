@@ -19,6 +19,30 @@ log = logging.getLogger(__name__)
 
 GenerationListener = Callable[[int, int], None]
 
+# Atomically: the key becomes at least ARGV[1]; returns its value. Idempotent, so replicas
+# that notice the loss at once agree, and a bump (INCR) racing it only ever adds.
+_RAISE_TO_FLOOR = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local floor = tonumber(ARGV[1])
+if current < floor then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return floor
+end
+return current
+"""
+
+
+def restore_generation_key(store: RedisStore, key: str, seen: int) -> int:
+    """The generation key is the one key without a TTL, yet any eviction policy
+    (`allkeys-lru`, `allkeys-random`...) or a Redis restarted without its data can remove
+    it, and INCR or a plain read would then start again from 0, serving entries a bump had
+    retired. A replica that finds it missing (or lower than it has seen) writes back the
+    highest generation it has seen; returns the value now in Redis."""
+    value = int(store.call(lambda: store.client.eval(_RAISE_TO_FLOOR, 1, key, seen)))
+    if value == seen and seen > 0:  # (absent at 0 is a new deployment's first start)
+        log.warning("the generation key %s was missing or behind; restored to %s", key, seen)
+    return value
+
 
 class _Generation:
     """The value and its listeners; subclasses decide where the value lives."""
@@ -79,8 +103,13 @@ class RedisGeneration(_Generation):
         self._thread.start()
 
     def refresh(self) -> int:
-        """Read the shared value now (raises CacheUnavailableError when Redis is down)."""
-        self._set(self._store.get_int(self._key))
+        """Read the shared value now (raises CacheUnavailableError when Redis is down).
+        A key that vanished (evicted, Redis restarted empty) is written back, never read as 0."""
+        raw = self._store.get(self._key)
+        if raw is None or int(raw) < self._value:
+            self._set(restore_generation_key(self._store, self._key, self._value))
+        else:
+            self._set(int(raw))
         return self._value
 
     def bump(self) -> int:
