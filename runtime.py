@@ -23,7 +23,8 @@ from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis
 from storage.errors import CacheUnavailableError
 from storage.log_writer import RequestLogWriter
 from storage.memory import MemoryStore
-from storage.redis_store import RedisStore, make_client
+from storage.redis_clients import make_nodes
+from storage.redis_store import RedisStore
 from storage.sql import make_engine, migrate
 
 log = logging.getLogger(__name__)
@@ -121,12 +122,13 @@ def build_runtime(
         if l2_url is None:
             generation = LocalGeneration()
         else:
-            breaker = CircuitBreaker(
-                failure_threshold=settings.breaker_failure_threshold,
-                reset_s=settings.breaker_reset_s,
-            )
-            client = make_client(l2_url, socket_timeout_s=settings.redis_socket_timeout_s)
-            l2 = RedisStore(client, prefix=settings.cache_prefix, breaker=breaker)
+            def breaker() -> CircuitBreaker:  # one per primary: a dead cluster node costs only its slots
+                return CircuitBreaker(
+                    failure_threshold=settings.breaker_failure_threshold, reset_s=settings.breaker_reset_s
+                )
+
+            nodes = make_nodes(l2_url, socket_timeout_s=settings.redis_socket_timeout_s)
+            l2 = RedisStore(nodes, prefix=settings.cache_prefix, breaker=breaker(), breaker_factory=breaker)
             stack.callback(l2.close)
             generation = RedisGeneration(
                 l2, key=f"{settings.cache_prefix}:meta:generation", refresh_s=settings.generation_refresh_s
@@ -154,13 +156,13 @@ def build_runtime(
         migrate(db)
         writer = RequestLogWriter(
             db, to_row=record_to_row, retention_days=settings.log_retention_days,
-            max_rows=settings.log_max_rows,
+            max_rows=settings.log_max_rows, replica=settings.replica_id,
         )  # fmt: skip
         stack.callback(writer.close)  # flushes queued rows before the database goes
         engine.add_listener(writer.submit)
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
-        admin = AdminService(engine=engine, db=db, writer=writer)
+        admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id)
         auth = AdminAuth(settings.admin_token or _generated_token())
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,

@@ -1,0 +1,129 @@
+"""Redis clients for each REDIS_URL form: one node, a Redis Cluster, a Sentinel-managed primary.
+
+Every client gets the same socket timeout, bounded pool and retry (one quick retry on a
+dropped connection, never on a timeout, so a slow Redis costs at most one socket timeout
+per call). Nothing connects here: the first command does, so the app starts while Redis
+is down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from settings import RedisTarget, parse_redis_url
+from storage.redis_cluster import ClusterNodes, OneNode
+
+RETRY_BACKOFF_BASE_S = 0.005
+RETRY_BACKOFF_CAP_S = 0.05
+RETRIES = 1
+MAX_CONNECTIONS = 64  # per node
+
+
+def _retry() -> Retry:
+    return Retry(
+        ExponentialWithJitterBackoff(cap=RETRY_BACKOFF_CAP_S, base=RETRY_BACKOFF_BASE_S),
+        RETRIES,
+        supported_errors=(redis.ConnectionError,),
+    )
+
+
+def _timeouts(socket_timeout_s: float) -> dict[str, Any]:
+    return {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s, "retry": _retry()}
+
+
+def _credentials(target: RedisTarget) -> dict[str, Any]:
+    return {"username": target.username, "password": target.password}
+
+
+def node_client(url: str, *, socket_timeout_s: float, max_connections: int = MAX_CONNECTIONS) -> redis.Redis:
+    """One node from a redis://, rediss:// or unix:// URL."""
+    pool = redis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=socket_timeout_s,  # wait for a free pooled connection at most this long
+        **_timeouts(socket_timeout_s),
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def cluster_nodes(target: RedisTarget, *, socket_timeout_s: float, max_connections: int) -> ClusterNodes:
+    """A cluster's primaries, each through its own bounded pool, and redis-py's RedisCluster
+    (built when first asked for) for plain commands."""
+
+    def node(host: str, port: int) -> redis.Redis:
+        pool_class = redis.BlockingConnectionPool
+        kwargs: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            **_credentials(target),
+            **_timeouts(socket_timeout_s),
+        }
+        if target.tls:
+            kwargs["connection_class"] = redis.SSLConnection
+        pool = pool_class(max_connections=max_connections, timeout=socket_timeout_s, **kwargs)
+        return redis.Redis(connection_pool=pool)
+
+    def cluster() -> RedisCluster:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
+            ssl=target.tls,
+            max_connections=max_connections,
+            require_full_coverage=False,
+            **_credentials(target),
+            **_timeouts(socket_timeout_s),
+        )
+
+    return ClusterNodes(target.nodes, node_factory=node, cluster_factory=cluster)
+
+
+def sentinel_primary(target: RedisTarget, *, socket_timeout_s: float) -> tuple[redis.Redis, Sentinel]:
+    """The primary these Sentinels name, followed across failovers: each new connection asks
+    them where the primary is, and a connection to a demoted primary fails (READONLY ->
+    ConnectionError), so the breaker's next probe lands on the new one."""
+    timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
+    sentinel = Sentinel(
+        list(target.nodes),
+        sentinel_kwargs={**timeouts, "ssl": target.tls},
+        **timeouts,
+    )
+    assert target.service is not None
+    primary = sentinel.master_for(
+        target.service, db=target.db, ssl=target.tls, retry=_retry(), **_credentials(target), **timeouts
+    )
+    return primary, sentinel
+
+
+def make_nodes(
+    url: str, *, socket_timeout_s: float, max_connections: int = MAX_CONNECTIONS
+) -> OneNode | ClusterNodes:
+    """What `RedisStore` talks to, for any accepted REDIS_URL (settings.REDIS_URL_FORMS)."""
+    target = parse_redis_url(url)
+    if target.kind == "cluster":
+        return cluster_nodes(target, socket_timeout_s=socket_timeout_s, max_connections=max_connections)
+    if target.kind == "sentinel":
+        primary, sentinel = sentinel_primary(target, socket_timeout_s=socket_timeout_s)
+        return SentinelPrimary(primary, sentinel, name=f"primary of {target.service}")
+    client = node_client(url, socket_timeout_s=socket_timeout_s, max_connections=max_connections)
+    kwargs = client.connection_pool.connection_kwargs
+    name = str(kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}")
+    return OneNode(client, name=name)
+
+
+class SentinelPrimary(OneNode):
+    """One shard whose address the Sentinels decide; owns their clients too."""
+
+    def __init__(self, client: redis.Redis, sentinel: Sentinel, *, name: str) -> None:
+        super().__init__(client, name=name)
+        self._sentinel = sentinel
+
+    def close(self) -> None:
+        super().close()
+        for client in self._sentinel.sentinels:
+            client.close()
+            client.connection_pool.disconnect()
