@@ -156,13 +156,13 @@ def build_runtime(
         migrate(db)
         writer = RequestLogWriter(
             db, to_row=record_to_row, retention_days=settings.log_retention_days,
-            max_rows=settings.log_max_rows,
+            max_rows=settings.log_max_rows, replica=settings.replica_id,
         )  # fmt: skip
         stack.callback(writer.close)  # flushes queued rows before the database goes
         engine.add_listener(writer.submit)
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
-        admin = AdminService(engine=engine, db=db, writer=writer)
+        admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id)
         auth = AdminAuth(settings.admin_token or _generated_token())
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,

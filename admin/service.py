@@ -34,7 +34,9 @@ class AdminService:
         db: Engine,
         writer: RequestLogWriter,
         clock: Callable[[], float] = time.time,
+        replica_id: str | None = None,
     ) -> None:
+        self._replica_id = replica_id  # names this replica in the audit log
         self._engine = engine
         self._db = db
         self._writer = writer
@@ -63,7 +65,8 @@ class AdminService:
     def _audit(self, action: str, params: dict[str, Any], result: dict[str, Any], actor: str) -> None:
         log.info("admin %s %s by %s -> %s", action, params, actor, result)
         try:
-            record_audit(self._db, at=self._clock(), action=action, params=params, result=result, actor=actor)
+            record_audit(self._db, at=self._clock(), action=action, params=params, result=result, actor=actor,
+                         replica=self._replica_id)  # fmt: skip
         except Exception:  # the action happened; a failed audit write must be visible, not fatal
             log.exception("could not write the audit row for %s", action)
 
@@ -118,6 +121,6 @@ class AdminService:
     def audit_rows(self, limit: int = 50) -> list[dict[str, Any]]:
         return [
             {"at": row.at, "action": row.action, "params": row.params, "result": row.result,
-             "actor": row.actor}
+             "actor": row.actor, "replica": row.replica}
             for row in recent_audit(self._db, limit=limit)
         ]  # fmt: skip

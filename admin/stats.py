@@ -27,6 +27,9 @@ class Summary:
     errors: int
     by_tier: dict[str, int]
     by_task: dict[str, int]
+    # Requests per replica (REPLICA_ID; "" for rows written before replicas were named): replicas
+    # that share the database are all counted, and this tells them apart.
+    by_replica: dict[str, int]
     hit_rate: float | None  # hits / answered requests; None when there were none
     avg_miss_model_ms: float | None
     model_seconds_saved: float
@@ -78,6 +81,9 @@ def summary(engine: Engine, *, now: float, window_s: float) -> Summary:
         task_rows = conn.execute(
             select(RequestRow.task, func.count()).where(in_window).group_by(RequestRow.task)
         ).all()
+        replica_rows = conn.execute(
+            select(RequestRow.replica, func.count()).where(in_window).group_by(RequestRow.replica)
+        ).all()
         avg_model_ms = conn.execute(
             select(func.avg(RequestRow.model_ms)).where(
                 in_window, RequestRow.tier == "miss", RequestRow.model_ms.is_not(None)
@@ -95,6 +101,7 @@ def summary(engine: Engine, *, now: float, window_s: float) -> Summary:
         errors=by_status.get("error", 0),
         by_tier=by_tier,
         by_task=dict(task_rows),
+        by_replica={replica or "": n for replica, n in replica_rows},
         hit_rate=hits / answered if answered else None,
         avg_miss_model_ms=float(avg_model_ms) if avg_model_ms is not None else None,
         model_seconds_saved=(float(avg_model_ms) * hits / 1000.0) if avg_model_ms else 0.0,

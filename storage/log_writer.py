@@ -50,8 +50,10 @@ class RequestLogWriter:
         max_rows: int | None = 1_000_000,
         prune_every_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        replica: str | None = None,
     ) -> None:
         self._engine = engine
+        self._replica = replica  # written into every row: replicas may share one database
         self._to_row = to_row
         # A deque, not queue.Queue: append is one atomic step with no lock or wake-up
         # on the request path; the writer polls. The bound is checked before append.
@@ -137,6 +139,9 @@ class RequestLogWriter:
     def _write(self, records: list[Any]) -> None:
         try:
             batch = [self._to_row(record) for record in records]
+            if self._replica is not None:
+                for row in batch:
+                    row["replica"] = self._replica
         except Exception:
             log.exception("request log: could not convert %s records; dropped", len(records))
             self._count_dropped(len(records))

@@ -1,17 +1,21 @@
-"""SQL storage: the request log and the admin audit log (SQLAlchemy 2.0, SQLite by default).
+"""SQL storage: the request log and the admin audit log (SQLAlchemy 2.0; SQLite by default,
+PostgreSQL through psycopg 3 for a fleet sharing one database).
 
-Schema changes are ordered steps in `MIGRATIONS`, recorded in `schema_version`:
-start-up applies the missing ones, so an upgrade keeps old rows. Small enough not
-to need Alembic; switch to it if migrations ever need branching or downgrades.
+The schema is migrated with Alembic (`storage/migrations/`). `migrate()` runs at start-up
+under a lock, so replicas starting together on one database migrate once: on PostgreSQL a
+transaction-scoped advisory lock, on SQLite an exclusive transaction; the others wait, then
+find the schema current. A database made before Alembic (a `schema_version` table, versions
+1-3) is adopted in place: stamped with the matching revision, then upgraded.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     Float,
@@ -21,13 +25,16 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
-    insert,
     inspect,
     select,
     text,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.pool import NullPool
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ class RequestRow(Base):
     top_label: Mapped[str | None] = mapped_column(String(128))
     model_ms: Mapped[float | None] = mapped_column(Float)
     route: Mapped[str | None] = mapped_column(String(16))  # gradio | rest (None: rows before v3)
+    replica: Mapped[str | None] = mapped_column(String(64))  # REPLICA_ID (None: rows before 0004)
 
     __table_args__ = (Index("ix_request_log_at", "at"), Index("ix_request_log_key", "key_digest"))
 
@@ -69,35 +77,7 @@ class AuditRow(Base):
     params: Mapped[str] = mapped_column(Text, nullable=False)  # JSON
     result: Mapped[str] = mapped_column(Text, nullable=False)  # JSON
     actor: Mapped[str] = mapped_column(String(64), nullable=False)  # token hash or client address
-
-
-class SchemaVersion(Base):
-    __tablename__ = "schema_version"
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    version: Mapped[int] = mapped_column(Integer, nullable=False)
-
-
-def _v1_initial(connection: Connection) -> None:
-    Base.metadata.create_all(connection)
-
-
-def _v2_request_model_ms(connection: Connection) -> None:
-    # v1 databases predate model_ms (needed for "model time saved").
-    columns = {c["name"] for c in inspect(connection).get_columns("request_log")}
-    if "model_ms" not in columns:
-        connection.execute(text("ALTER TABLE request_log ADD COLUMN model_ms FLOAT"))
-
-
-def _v3_request_route(connection: Connection) -> None:
-    # Which front door a request came through (Gradio or the REST API).
-    columns = {c["name"] for c in inspect(connection).get_columns("request_log")}
-    if "route" not in columns:
-        connection.execute(text("ALTER TABLE request_log ADD COLUMN route VARCHAR(16)"))
-
-
-MIGRATIONS: list[Callable[[Connection], None]] = [_v1_initial, _v2_request_model_ms, _v3_request_route]
-SCHEMA_VERSION = len(MIGRATIONS)
+    replica: Mapped[str | None] = mapped_column(String(64))  # the replica that acted
 
 
 def make_engine(url: str, *, busy_timeout_ms: int = 2000) -> Engine:
@@ -118,30 +98,129 @@ def make_engine(url: str, *, busy_timeout_ms: int = 2000) -> Engine:
     return engine
 
 
-def migrate(engine: Engine) -> int:
-    """Create or upgrade the schema; returns the version now in force."""
-    with engine.begin() as connection:
-        SchemaVersion.__table__.create(connection, checkfirst=True)
-        row = connection.execute(select(SchemaVersion.version).where(SchemaVersion.id == 1)).first()
-        current = row[0] if row else 0
-        if current > SCHEMA_VERSION:
-            raise RuntimeError(
-                f"the database schema is version {current}, newer than this app ({SCHEMA_VERSION})"
-            )
-        for version in range(current + 1, SCHEMA_VERSION + 1):
-            MIGRATIONS[version - 1](connection)
-            log.info("database schema migrated to version %s", version)
-        if row is None:
-            connection.execute(insert(SchemaVersion).values(id=1, version=SCHEMA_VERSION))
-        elif current != SCHEMA_VERSION:
-            connection.execute(
-                SchemaVersion.__table__.update().where(SchemaVersion.id == 1).values(version=SCHEMA_VERSION)
-            )
-    return SCHEMA_VERSION
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+# The pre-Alembic `schema_version` numbers and the revisions that reproduce them.
+LEGACY_REVISIONS = {1: "0001", 2: "0002", 3: "0003"}
+# pg_advisory_xact_lock key: any constant shared by every replica ("infcache").
+PG_MIGRATION_LOCK = 0x696E_6663_6163_6865
+
+
+class SchemaError(RuntimeError):
+    """The database holds a schema this app cannot use (newer than its migrations)."""
+
+
+# Alembic is imported where it is used: it costs ~0.4 s, and only start-up migrates.
+
+
+def _alembic_config(connection: Connection) -> Config:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory(str(MIGRATIONS_DIR)).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+@contextmanager
+def _locked_connection(engine: Engine, lock_timeout_s: float) -> Iterator[Connection]:
+    """A connection inside a transaction that no other migrating replica can enter."""
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as connection, connection.begin():
+            # lock_timeout also bounds the wait for an advisory lock.
+            connection.execute(text(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'"))
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK})
+            yield connection
+        return
+    if engine.dialect.name == "sqlite":
+        # pysqlite issues no BEGIN before DDL; take the transaction into our hands (SQLAlchemy's
+        # "pysqlite serializable" recipe) so BEGIN EXCLUSIVE covers every step of the upgrade.
+        own = create_engine(engine.url, poolclass=NullPool,
+                            connect_args={"timeout": lock_timeout_s})  # fmt: skip
+
+        @event.listens_for(own, "connect")
+        def _manual_transactions(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.isolation_level = None
+
+        @event.listens_for(own, "begin")
+        def _begin_exclusive(connection: Connection) -> None:
+            connection.exec_driver_sql("BEGIN EXCLUSIVE")
+
+        try:
+            with own.connect() as connection, connection.begin():
+                yield connection
+        finally:
+            own.dispose()
+        return
+    with engine.connect() as connection, connection.begin():  # other databases: no lock
+        yield connection
+
+
+def _adopt_legacy_schema(connection: Connection) -> None:
+    """Stamp a pre-Alembic database with the revision its `schema_version` names."""
+    from alembic import command
+
+    tables = set(inspect(connection).get_table_names())
+    if "schema_version" not in tables or "alembic_version" in tables:
+        return
+    version = connection.execute(text("SELECT version FROM schema_version WHERE id = 1")).scalar()
+    if version not in LEGACY_REVISIONS:
+        raise SchemaError(f"the database's schema_version is {version!r}, which this app does not know")
+    command.stamp(_alembic_config(connection), LEGACY_REVISIONS[version])
+    connection.execute(text("DROP TABLE schema_version"))
+    log.info("database schema: schema_version %s adopted as Alembic revision %s",
+             version, LEGACY_REVISIONS[version])  # fmt: skip
+
+
+def migrate(engine: Engine, *, lock_timeout_s: float = 120.0) -> str:
+    """Create or upgrade the schema to the newest revision; returns it.
+
+    Safe when several replicas start together: one migrates under the lock, the others wait
+    for it (at most `lock_timeout_s`) and then find nothing to do."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
+    from alembic.util.exc import CommandError
+
+    head = head_revision()
+    with _locked_connection(engine, lock_timeout_s) as connection:
+        _adopt_legacy_schema(connection)
+        current = MigrationContext.configure(connection).get_current_revision()
+        if current == head:
+            return head
+        try:
+            command.upgrade(_alembic_config(connection), "head")
+        except CommandError as exc:  # a revision we do not have: written by a newer app
+            raise SchemaError(
+                f"the database schema is at revision {current!r}, unknown to this app (newest {head}): "
+                f"{exc}"
+            ) from None
+        log.info("database schema migrated from %s to %s", current or "nothing", head)
+    return head
 
 
 def record_audit(
-    engine: Engine, *, at: float, action: str, params: dict[str, Any], result: dict[str, Any], actor: str
+    engine: Engine,
+    *,
+    at: float,
+    action: str,
+    params: dict[str, Any],
+    result: dict[str, Any],
+    actor: str,
+    replica: str | None = None,
 ) -> None:
     with Session(engine) as session, session.begin():
         session.add(
@@ -151,6 +230,7 @@ def record_audit(
                 params=json.dumps(params, sort_keys=True),
                 result=json.dumps(result, sort_keys=True, default=str),
                 actor=actor,
+                replica=replica,
             )
         )
 

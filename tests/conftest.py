@@ -56,6 +56,30 @@ def redis_server(redis_binary: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Any]:
+    """One real PostgreSQL server for the session (Debian's binaries, a temp cluster, a free
+    loopback port); tests take a fresh database each from `database_url`."""
+    from bench.postgres_server import PostgresServer, PostgresUnavailable
+
+    try:
+        server = PostgresServer().start()
+    except PostgresUnavailable as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty request-log database on each backend: an SQLite file, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'requests.sqlite3'}"
+    import uuid
+
+    return request.getfixturevalue("postgres_server").create_database(f"t_{uuid.uuid4().hex[:16]}")
+
+
+@pytest.fixture(scope="session")
 def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     return replace(
         Settings.from_env({}),

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from gradio_client import Client
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 
 from admin.auth import AdminAuth, AuthOutcome, bearer_token, token_fingerprint
 from admin.charts import all_figures
@@ -28,6 +28,9 @@ from tests.conftest import CountingTextModel, free_port
 from ui.server import BackgroundServer, build_app
 
 TOKEN = "operator-token-for-tests"
+# For tests that do not read the request log: the SQLite run alone (the `database_url` fixture
+# otherwise runs each test on SQLite and on PostgreSQL).
+SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 
 def log_rows(runtime: Runtime) -> list[Any]:
@@ -40,8 +43,10 @@ def log_rows(runtime: Runtime) -> list[Any]:
 
 
 @pytest.fixture
-def console(make_runtime, redis_server: EmbeddedRedis) -> Runtime:
-    return make_runtime(models={"text": CountingTextModel()}, redis_url=redis_server.url, admin_token=TOKEN)
+def console(make_runtime, redis_server: EmbeddedRedis, database_url: str) -> Runtime:
+    """A runtime whose request log is on SQLite, then on PostgreSQL (`database_url` is parametrized)."""
+    return make_runtime(models={"text": CountingTextModel()}, redis_url=redis_server.url, admin_token=TOKEN,
+                        database_url=database_url)  # fmt: skip
 
 
 class TestRequestLog:
@@ -137,53 +142,6 @@ class TestWriter:
             blocker.rollback()
             blocker.close()
             writer.close()
-            db.dispose()
-
-    def test_retention_prunes_by_age_and_by_count(self, tmp_path: Path) -> None:
-        db = make_engine(f"sqlite:///{tmp_path / 'r.sqlite3'}")
-        migrate(db)
-        now = 2_000_000_000.0
-        writer = RequestLogWriter(db, retention_days=1, max_rows=100, prune_every_s=3600, clock=lambda: now)
-        try:
-            for i in range(50):
-                writer.submit(_row(i, at=now - 3 * 86400))  # three days old
-            for i in range(150):
-                writer.submit(_row(i, at=now - 60))
-            writer.flush()
-            writer.prune_now()
-            with db.connect() as conn:
-                remaining = conn.execute(select(func.min(RequestRow.at), func.count())
-                                         .select_from(RequestRow)).one()  # fmt: skip
-            assert remaining[1] == 100 and remaining[0] == now - 60
-        finally:
-            writer.close()
-            db.dispose()
-
-    def test_upgrade_from_v1_keeps_old_rows(self, tmp_path: Path) -> None:
-        path = tmp_path / "old.sqlite3"
-        old = sqlite3.connect(path)
-        old.executescript(
-            "CREATE TABLE schema_version (id INTEGER PRIMARY KEY, version INTEGER NOT NULL);"
-            "INSERT INTO schema_version VALUES (1, 1);"
-            "CREATE TABLE request_log (id INTEGER PRIMARY KEY AUTOINCREMENT, at FLOAT NOT NULL,"
-            " task VARCHAR(16) NOT NULL, tier VARCHAR(16), latency_ms FLOAT NOT NULL,"
-            " status VARCHAR(16) NOT NULL, error_code VARCHAR(64), key_digest VARCHAR(32),"
-            " model_version VARCHAR(64) NOT NULL, generation INTEGER NOT NULL, top_label VARCHAR(128));"
-            "INSERT INTO request_log (at, task, tier, latency_ms, status, model_version, generation)"
-            " VALUES (1.0, 'text', 'miss', 12.5, 'ok', 'v1', 0);"
-        )
-        old.commit()
-        old.close()
-        db = make_engine(f"sqlite:///{path}")
-        try:
-            assert migrate(db) == 3
-            with db.connect() as conn:
-                assert conn.execute(text("SELECT latency_ms, model_ms, route FROM request_log")).all() == [
-                    (12.5, None, None)
-                ]
-                assert conn.execute(text("SELECT version FROM schema_version")).scalar_one() == 3
-                assert conn.execute(text("PRAGMA journal_mode")).scalar_one() == "wal"
-        finally:
             db.dispose()
 
 
@@ -295,6 +253,7 @@ class TestHttp:
         assert runtime.engine.classify("text", "stay cached").tier == "l1"
         assert runtime.engine.generation == 0 and runtime.admin.audit_rows() == []
 
+    @SQLITE_ONLY
     def test_brute_force_gets_429(self, served) -> None:
         url, runtime = served
         statuses = [call(url, "/admin/api/stats", token=f"guess-{i}")[0] for i in range(12)]
@@ -315,6 +274,7 @@ class TestHttp:
         assert status == 200 and stats["summary"]["total"] == 2 and stats["cache"]["generation"] == 1
         assert [r["action"] for r in runtime.admin.audit_rows()] == ["bump_version", "flush"]
 
+    @SQLITE_ONLY
     def test_admin_gradio_endpoints_refuse_without_sign_in(self, served) -> None:
         url, runtime = served
         runtime.engine.classify("text", "cached")
@@ -329,6 +289,7 @@ class TestHttp:
             client.predict("", True, api_name="/admin_bump")
         assert runtime.engine.classify("text", "cached").tier == "l1" and runtime.engine.generation == 0
 
+    @SQLITE_ONLY
     def test_metrics_parse_and_move_with_traffic(self, served) -> None:
         url, runtime = served
 
@@ -345,6 +306,7 @@ class TestHttp:
         _, body = call(url, "/metrics")
         assert "counted" not in body  # no input data
 
+    @SQLITE_ONLY
     def test_readyz_reports_l2_down_when_redis_stops(self, served, redis_server: EmbeddedRedis) -> None:
         url, _ = served
         status, body = call(url, "/readyz")
