@@ -7,13 +7,18 @@ from __future__ import annotations
 import logging
 
 from runtime import build_runtime
-from settings import Settings
+from settings import Settings, SettingsError
 from ui.server import serve
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(Settings.from_env(), build_runtime=build_runtime)
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:  # a bad setting: its message, not a traceback
+        logging.getLogger("app").error("refusing to start: %s", exc)
+        raise SystemExit(1) from None
+    serve(settings, build_runtime=build_runtime)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ is down.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import redis
@@ -23,6 +25,9 @@ RETRY_BACKOFF_BASE_S = 0.005
 RETRY_BACKOFF_CAP_S = 0.05
 RETRIES = 1
 MAX_CONNECTIONS = 64  # per node
+SENTINEL_CHECK_S = 1.0  # how often the Sentinels are asked where the primary is
+
+log = logging.getLogger(__name__)
 
 
 def _retry() -> Retry:
@@ -116,13 +121,38 @@ def make_nodes(
 
 
 class SentinelPrimary(OneNode):
-    """One shard whose address the Sentinels decide; owns their clients too."""
+    """One shard whose address the Sentinels decide; owns their clients and a watcher.
+
+    After `SENTINEL FAILOVER` the old primary stays writable for seconds before the
+    Sentinel turns it into a replica (and its new writes are then lost), so waiting for a
+    failed call is not enough: a watcher thread asks the Sentinels every
+    `SENTINEL_CHECK_S` and, when they name another primary, drops the idle connections to
+    the old one (connections in use are dropped when returned), so the next command goes
+    to the new primary."""
 
     def __init__(self, client: redis.Redis, sentinel: Sentinel, *, name: str) -> None:
         super().__init__(client, name=name)
         self._sentinel = sentinel
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="sentinel-watcher", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        pool = self._client.connection_pool
+        while not self._stop.wait(SENTINEL_CHECK_S):
+            try:
+                before = pool.master_address  # type: ignore[attr-defined]
+                now = pool.get_master_address()  # type: ignore[attr-defined]
+                if before is not None and now != before:
+                    log.warning("Sentinel: the %s moved from %s to %s", self.name, before, now)
+            except redis.RedisError:
+                pass  # Sentinels unreachable: keep the current primary; its breaker judges it
+            except Exception:  # never let the watcher die
+                log.exception("Sentinel watcher failed")
 
     def close(self) -> None:
+        self._stop.set()
+        self._watcher.join(timeout=5)
         super().close()
         for client in self._sentinel.sentinels:
             client.close()

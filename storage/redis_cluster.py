@@ -198,6 +198,26 @@ class _LazyCluster:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._build(), name)
 
+    def pubsub(self, **kwargs: Any) -> Any:
+        """As `redis.Redis.pubsub()`: returns at once; the first use connects (and raises
+        redis.ConnectionError while no node answers)."""
+        return _LazyPubSub(lambda: self._build().pubsub(**kwargs))
+
+
+class _LazyPubSub:
+    """A `ClusterPubSub` made at its first use (subscribe, get_message, close...)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._pubsub: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._pubsub is None:
+            if name == "close":
+                return lambda: None  # never connected: nothing to close
+            self._pubsub = self._make()
+        return getattr(self._pubsub, name)
+
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
