@@ -14,7 +14,10 @@ from admin.auth import AdminAuth, generate_token
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
 from engine.codec import ValueCodec
+from engine.fleet import FleetMember
+from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
+from engine.l1_gate import GatedMemoryStore, GenerationConfirmations
 from engine.models.base import Classifier
 from engine.service import CachePolicy, InferenceEngine
 from settings import Settings
@@ -24,6 +27,7 @@ from storage.errors import CacheUnavailableError
 from storage.log_writer import RequestLogWriter
 from storage.memory import MemoryStore
 from storage.redis_clients import make_nodes
+from storage.redis_fleet import FleetKeys, FleetRedis
 from storage.redis_store import RedisStore
 from storage.sql import make_engine, migrate
 
@@ -60,6 +64,7 @@ class Runtime:
     metrics: Metrics
     log_writer: RequestLogWriter
     _stack: ExitStack = field(repr=False)
+    fleet: FleetMember | None = None  # with Redis: this replica in the fleet (engine.fleet)
 
     def close(self) -> None:
         self._stack.close()
@@ -116,8 +121,14 @@ def build_runtime(
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         l2_url, notice = _resolve_l2(settings, stack)
 
-        l1 = MemoryStore(max_bytes=settings.cache_l1_max_bytes, default_ttl_s=settings.cache_l1_ttl_s)
+        # With a shared Redis, L1 is served only while the generation is confirmed (engine.l1_gate).
+        confirmations = GenerationConfirmations(bound_s=settings.generation_confirm_s)
+        l1_sizes = {"max_bytes": settings.cache_l1_max_bytes, "default_ttl_s": settings.cache_l1_ttl_s}
+        l1 = (MemoryStore(**l1_sizes) if l2_url is None
+              else GatedMemoryStore(confirmations=confirmations, **l1_sizes))  # fmt: skip
         l2: RedisStore | None = None
+        fleet_redis: FleetRedis | None = None
+        flight: FleetFlight | None = None
         generation: LocalGeneration | RedisGeneration
         if l2_url is None:
             generation = LocalGeneration()
@@ -130,8 +141,12 @@ def build_runtime(
             nodes = make_nodes(l2_url, socket_timeout_s=settings.redis_socket_timeout_s)
             l2 = RedisStore(nodes, prefix=settings.cache_prefix, breaker=breaker(), breaker_factory=breaker)
             stack.callback(l2.close)
+            fleet_redis = FleetRedis(l2, keys=FleetKeys(settings.cache_prefix))
             generation = RedisGeneration(
-                l2, key=f"{settings.cache_prefix}:meta:generation", refresh_s=settings.generation_refresh_s
+                l2, key=fleet_redis.keys.generation, refresh_s=settings.generation_refresh_s
+            )
+            flight = FleetFlight(
+                fleet_redis, owner=settings.replica_id, max_wait_s=settings.flight_lease_max_s
             )
         policy = CachePolicy(
             prefix=settings.cache_prefix,
@@ -144,12 +159,23 @@ def build_runtime(
             batch_max_size=settings.batch_max_size,
             miss_concurrency={task: settings.miss_concurrency_for(m.device) for task, m in loaded.items()},
             codec=ValueCodec([key.encode() for key in settings.cache_signing_keys]),
-            shadow_sample_rate=settings.shadow_sample_rate,
+            shadow_sample_rate=settings.shadow_sample_rate, fleet_flight=flight,
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
         if isinstance(generation, RedisGeneration):
             generation.start()
         stack.callback(generation.close)  # closed before the store it polls
+        fleet: FleetMember | None = None
+        if fleet_redis is not None and isinstance(generation, RedisGeneration):
+            fleet = FleetMember(
+                redis=fleet_redis, replica_id=settings.replica_id, engine=engine, generation=generation,
+                confirmations=confirmations, heartbeat_s=settings.fleet_heartbeat_s,
+                refresh_s=settings.generation_refresh_s, ack_timeout_s=settings.fleet_ack_timeout_s,
+                on_peers=flight.set_peers if flight is not None else None,
+            )  # fmt: skip
+            fleet.start()
+            stack.callback(fleet.close)  # leaves the registry before the store closes
+            engine.attach_fleet(fleet)
 
         db = make_engine(settings.effective_database_url)
         stack.callback(db.dispose)
@@ -162,11 +188,11 @@ def build_runtime(
         engine.add_listener(writer.submit)
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
-        admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id)
+        admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet)
         auth = AdminAuth(settings.admin_token or _generated_token())
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
-            log_writer=writer, _stack=stack,
+            log_writer=writer, _stack=stack, fleet=fleet,
         )  # fmt: skip
     except BaseException:
         stack.close()

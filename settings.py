@@ -218,6 +218,17 @@ def _rate(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _confirm_bound(env: Mapping[str, str]) -> float:
+    # Under two refresh periods, one late poll would switch L1 off on a healthy replica.
+    refresh = _float(env, "GENERATION_REFRESH_S", 0.5, minimum=0.01)
+    value = _float(env, "GENERATION_CONFIRM_S", max(2.0, 2 * refresh), minimum=0.01)
+    if value < 2 * refresh:
+        raise SettingsError(
+            f"GENERATION_CONFIRM_S={value} must be at least 2 x GENERATION_REFRESH_S ({refresh})"
+        )
+    return value
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -259,6 +270,14 @@ class Settings:
     breaker_failure_threshold: int = 1
     breaker_reset_s: float = 2.0
     generation_refresh_s: float = 0.5
+    # The fleet (engine/fleet.py): registry heartbeat (a record outlives 3 missed beats), how
+    # long a flush/bump/evict waits for every live replica's acknowledgement, and how long a
+    # replica serves L1 without confirming the shared generation (then L1 reads are bypassed).
+    fleet_heartbeat_s: float = 1.0
+    fleet_ack_timeout_s: float = 5.0
+    generation_confirm_s: float = 2.0
+    # Single flight across replicas: the longest a miss waits on another replica's lease.
+    flight_lease_max_s: float = 5.0
     max_upload_bytes: int = 20 * MIB
     max_image_pixels: int = 40_000_000
     max_text_chars: int = 2000
@@ -323,6 +342,10 @@ class Settings:
             breaker_failure_threshold=_int(env, "BREAKER_FAILURE_THRESHOLD", 1, minimum=1),
             breaker_reset_s=_float(env, "BREAKER_RESET_S", 2.0, minimum=0.01),
             generation_refresh_s=_float(env, "GENERATION_REFRESH_S", 0.5, minimum=0.01),
+            fleet_heartbeat_s=_float(env, "FLEET_HEARTBEAT_S", 1.0, minimum=0.05),
+            fleet_ack_timeout_s=_float(env, "FLEET_ACK_TIMEOUT_S", 5.0, minimum=0.1),
+            generation_confirm_s=_confirm_bound(env),
+            flight_lease_max_s=_float(env, "FLIGHT_LEASE_MAX_S", 5.0, minimum=0.1),
             max_upload_bytes=_int(env, "MAX_UPLOAD_BYTES", 20 * MIB, minimum=1),
             max_image_pixels=_bounded_pixels(env),
             max_text_chars=_int(env, "MAX_TEXT_CHARS", 2000, minimum=1),

@@ -6,6 +6,7 @@ client: 429 for a while. Health and metrics endpoints live here too.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,9 +15,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from admin.auth import AdminAuth, AuthOutcome, bearer_token
 from admin.metrics import Metrics
-from admin.service import AdminService
+from admin.service import AdminService, FleetUnavailableError
 from engine.errors import InvalidInputError
 from engine.service import InferenceEngine
+
+
+def _fleet_status(result: dict[str, Any]) -> int:
+    """200 once every live replica confirmed; 202 (done here and in Redis, not confirmed
+    everywhere) when some did not within the timeout: `fleet` names them."""
+    fleet = result.get("fleet") or {}
+    return 200 if fleet.get("complete", True) else 202
 
 
 def client_address(request: Request) -> str:
@@ -86,10 +94,10 @@ def build_router(
             return refused
         body = await json_body(request)
         try:
-            result = admin.flush(str(body.get("tier", "")), actor=actor(request))
+            result = await asyncio.to_thread(admin.flush, str(body.get("tier", "")), actor=actor(request))
         except InvalidInputError as exc:
             return JSONResponse({"error": exc.message}, status_code=400)
-        return JSONResponse(result)
+        return JSONResponse(result, status_code=_fleet_status(result))
 
     @router.post("/admin/api/bump-version")
     async def admin_bump(request: Request) -> JSONResponse:
@@ -97,7 +105,18 @@ def build_router(
             return refused
         body = await json_body(request)
         note = body.get("note")
-        result = admin.bump_version(actor=actor(request), note=note if isinstance(note, str) else None)
-        return JSONResponse(result, status_code=200 if result["ok"] else 503)
+        result = await asyncio.to_thread(
+            admin.bump_version, actor=actor(request), note=note if isinstance(note, str) else None
+        )
+        return JSONResponse(result, status_code=_fleet_status(result) if result["ok"] else 503)
+
+    @router.get("/admin/api/replicas")
+    def admin_replicas(request: Request) -> JSONResponse:
+        if (refused := authorize(request)) is not None:
+            return refused
+        try:
+            return JSONResponse({"replicas": admin.replicas()})
+        except FleetUnavailableError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503)
 
     return router

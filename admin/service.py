@@ -12,6 +12,7 @@ from sqlalchemy.engine import Engine
 
 from admin import stats
 from engine.errors import CacheUnavailableError, InvalidInputError
+from engine.fleet import FleetAck, FleetMember
 from engine.service import InferenceEngine, RequestRecord
 from storage.log_writer import RequestLogWriter
 from storage.sql import recent_audit, record_audit
@@ -26,6 +27,10 @@ def record_to_row(record: RequestRecord) -> dict[str, Any]:
     return record._asdict()
 
 
+class FleetUnavailableError(Exception):
+    """The replica registry cannot be read (Redis down)."""
+
+
 class AdminService:
     def __init__(
         self,
@@ -34,10 +39,12 @@ class AdminService:
         db: Engine,
         writer: RequestLogWriter,
         clock: Callable[[], float] = time.time,
+        fleet: FleetMember | None = None,
         replica_id: str | None = None,
     ) -> None:
         self._replica_id = replica_id  # names this replica in the audit log
         self._engine = engine
+        self._fleet = fleet  # None without a shared Redis: this replica is the whole fleet
         self._db = db
         self._writer = writer
         self._clock = clock
@@ -48,8 +55,28 @@ class AdminService:
         if tier not in ("l1", "l2", "all"):
             raise InvalidInputError("bad_tier", "tier must be one of 'l1', 'l2', 'all'")
         result = asdict(self._engine.flush(tier))
+        # Then every other replica's L1 (and its L2 writes still waiting), acknowledged.
+        result["fleet"] = self._fleet_ack(lambda fleet: fleet.broadcast_l1({"op": "flush", "tier": tier}))
         self._audit("flush", {"tier": tier}, result, actor)
         return result
+
+    def _fleet_ack(self, reach: Callable[[FleetMember], FleetAck]) -> dict[str, Any]:
+        if self._fleet is None:
+            return FleetAck(confirmed=(self._replica_id or "this replica",)).as_dict()
+        ack = reach(self._fleet)
+        if not ack.complete or ack.lost:
+            log.warning("fleet action not confirmed everywhere: %s", ack.as_dict())
+        return ack.as_dict()
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """The replica registry (engine.fleet): every replica sharing this Redis."""
+        if self._fleet is None:
+            return [{"id": self._replica_id, "state": "live", "self": True,
+                     "generation": self._engine.generation, **self._engine.replica_state()}]  # fmt: skip
+        try:
+            return self._fleet.replicas()
+        except CacheUnavailableError as exc:
+            raise FleetUnavailableError(f"the replica registry is unreachable: {exc}") from None
 
     def bump_version(self, *, actor: str, note: str | None = None) -> dict[str, Any]:
         note = (note or "").strip()[:MAX_NOTE_CHARS]
@@ -57,6 +84,7 @@ class AdminService:
         try:
             after = self._engine.bump_generation()
             result: dict[str, Any] = {"ok": True, "generation_before": before, "generation": after}
+            result["fleet"] = self._fleet_ack(lambda fleet: fleet.announce_generation(after))
         except CacheUnavailableError as exc:
             result = {"ok": False, "generation": before, "error": f"Redis unavailable: {exc}"}
         self._audit("bump_version", {"note": note} if note else {}, result, actor)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from engine.errors import CacheUnavailableError
@@ -60,12 +59,20 @@ class _Generation:
         self._listeners.append(listener)
 
     def _set(self, value: int) -> None:
+        # Never backwards: a value read before a bump may arrive after it (a slow poll, a
+        # Redis restarted without its data); the generation only grows.
         with self._lock:
-            old, self._value = self._value, value
-        if old != value:
-            log.info("cache generation %s -> %s", old, value)
-            for listener in self._listeners:
-                listener(old, value)
+            old = self._value
+            if value <= old:
+                return
+            self._value = value
+        log.info("cache generation %s -> %s", old, value)
+        for listener in self._listeners:
+            listener(old, value)
+
+    def observe(self, value: int) -> None:
+        """A value of the shared generation learnt elsewhere (the fleet channel): taken if newer."""
+        self._set(value)
 
 
 class LocalGeneration(_Generation):
@@ -116,13 +123,13 @@ class RedisGeneration(_Generation):
         """Increment the shared generation; raises CacheUnavailableError if Redis is down,
         because a bump other replicas cannot see would split the fleet.
 
-        Returns only after two refresh periods: by then every replica that can reach
-        Redis has re-read the generation, so once a bump is acknowledged no healthy
-        replica starts a request under the old one.
+        Returns at once: the other replicas learn it from the fleet channel, and the
+        operator's acknowledgement waits for theirs (engine.fleet).
         """
         new = self._store.incr(self._key)
+        if new <= self._value:  # Redis lost the key: lift it past what this replica saw
+            new = self._store.incr(self._key, self._value - new + 1)
         self._set(new)
-        time.sleep(2 * self._refresh_s + 0.05)
         return new
 
     def _watch(self) -> None:

@@ -28,6 +28,7 @@ from engine.codec import (
 )
 from engine.entries import EntryReport, EvictResult, entry_key, inspect_entry
 from engine.errors import CacheUnavailableError, InvalidInputError, ModelError
+from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.keys import CacheKey, digest_parts, raw_digest
 from engine.models.base import Classifier, Prediction
@@ -156,8 +157,12 @@ class InferenceEngine:
         miss_concurrency: Mapping[str, int] | None = None,
         codec: ValueCodec | None = None,
         shadow_sample_rate: float = 0.0,
+        fleet_flight: FleetFlight | None = None,
     ) -> None:
         self._models = dict(models)
+        # Across replicas, a miss takes a Redis lease first (engine.fleet_flight).
+        self._fleet_flight = fleet_flight
+        self._fleet: Any = None  # engine.fleet.FleetMember, attached by the composition root
         self._codec = codec or ValueCodec()  # unsigned (checksum) unless given signing keys
         # Only models that gain from it batch (see engine.batching): one pass at a time, the
         # misses that wait meanwhile share the next. The others run up to their limit at once.
@@ -339,6 +344,8 @@ class InferenceEngine:
                 removed_l2 = self._l2.delete(key)
             except CacheUnavailableError as exc:
                 error = str(exc)
+        if self._fleet is not None:  # every other replica's L1 too (not waited for here)
+            self._fleet.broadcast_l1({"op": "evict", "keys": [key]}, wait=False)
         log.warning("evicted %s: l1=%s l2=%s %s", key, removed_l1, removed_l2, error or "")
         return EvictResult(key, removed_l1, removed_l2, error)
 
@@ -388,6 +395,35 @@ class InferenceEngine:
                 "admitted": self.admission_limit(task),
             }
         return summary
+
+    # ---- the fleet (engine.fleet) ------------------------------------------
+
+    def attach_fleet(self, fleet: Any) -> None:
+        """The FleetMember through which evictions reach the other replicas."""
+        self._fleet = fleet
+
+    def drop_local(self, tier: str) -> int:
+        """A flush made through another replica, applied here: this process's L1 (tiers
+        l1, all) and its L2 writes still waiting (l2, all), which must not land after it."""
+        if tier in ("l2", "all"):
+            self._writes.discard()
+        return self._l1.clear() if tier in ("l1", "all") else 0
+
+    def evict_local(self, keys: list[str]) -> int:
+        return sum(self._l1.delete(key) for key in keys)
+
+    def replica_state(self) -> dict[str, Any]:
+        """What this replica's heartbeat tells the registry."""
+        mem = self._l1.stats()
+        c = self.counters()
+        hits = c.hits_l1 + c.hits_l2 + c.coalesced
+        answered = hits + c.misses
+        return {
+            "models": {t: m.version for t, m in self._models.items()},
+            "l1_entries": mem.entries, "l1_bytes": mem.bytes, "requests": answered,
+            "hit_rate": round(hits / answered, 4) if answered else None,
+            "l2": self._l2.stats().state if self._l2 is not None else "disabled",
+        }  # fmt: skip
 
     def counters(self) -> EngineCounters:
         with self._counter_lock:
@@ -506,6 +542,14 @@ class InferenceEngine:
         cached, tier = self._lookup(key, (CachedResult,), budget)
         if cached is not None:
             return cached, tier, None  # type: ignore[return-value]
+        turn = None
+        if self._fleet_flight is not None and budget.available and self._l2 is not None:
+            turn = self._fleet_flight.take_turn(
+                model.task, key, look=lambda: self._lookup(key, (CachedResult,), budget)[0],
+                usable=lambda: budget.available,
+            )  # fmt: skip
+            if turn.found is not None:  # computed by another replica meanwhile
+                return turn.found, "coalesced", None  # type: ignore[return-value]
         canonical = canonical_input()
         batcher = self._batchers.get(model.task)
         model_started = time.perf_counter()
@@ -531,6 +575,8 @@ class InferenceEngine:
             with self._counter_lock:
                 self._counters.model_calls[model.task] += 1
                 self._counters.model_seconds[model.task] += elapsed * share
+        if turn is not None:
+            turn.succeeded()
         result = CachedResult(prediction, model.version, self._clock())
         blob = self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, None)
         # The result first: a replica that finds the alias then finds what it points to.
