@@ -141,9 +141,17 @@ class AdminService:
         if store is not None:
             try:
                 state["l2"]["memory_bytes"] = store.memory_used_bytes()
-                state["l2"]["keys"] = store.count_keys()
+                counts = store.key_counts()  # per primary: a cluster's nodes each, None if down
+                known = [n for n in counts.values() if n is not None]
+                state["l2"]["keys"] = sum(known) if known else None
             except CacheUnavailableError:
+                counts = {}
                 state["l2"]["memory_bytes"] = state["l2"]["keys"] = None
+            breakers = dict(store.stats().nodes)
+            state["l2"]["nodes"] = [
+                {"node": node, "keys": keys, "breaker": breakers.get(node)}
+                for node, keys in sorted(counts.items())
+            ]
         return state
 
     def audit_rows(self, limit: int = 50) -> list[dict[str, Any]]:

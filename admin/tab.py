@@ -45,6 +45,11 @@ def stat_cards(data: dict[str, Any]) -> str:
     l2_detail = l2["state"]
     if l2.get("keys") is not None:
         l2_detail += f" · {l2['keys']:,} keys · {l2.get('memory_bytes', 0) / 1e6:.1f} MB"
+    nodes = l2.get("nodes") or []
+    if len(nodes) > 1:  # a cluster: keys on each primary ("down" where it did not answer)
+        l2_detail += " · " + ", ".join(
+            f"{n['node']}: {'down' if n['keys'] is None else format(n['keys'], ',')}" for n in nodes
+        )
     rows = [
         ("Requests", f"{summary['total']:,}"),
         ("Hit rate", rate),
