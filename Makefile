@@ -21,7 +21,7 @@ run: $(STAMP)
 	$(PY) app.py
 
 test: $(STAMP)
-	@scripts/ensure_system_deps.sh redis-server chromium
+	@scripts/ensure_system_deps.sh redis-server chromium postgresql nginx prometheus kubernetes-client
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 

@@ -7,10 +7,18 @@ set -euo pipefail
 optional=0
 if [[ "${1:-}" == "--optional" ]]; then optional=1; shift; fi
 
-declare -A binary_of=([redis-server]=redis-server [chromium]=chromium)
+# What proves each package is there: a command on PATH, or a path pattern (PostgreSQL's
+# server binaries live under /usr/lib/postgresql/<version>/bin, off PATH).
+declare -A binary_of=([redis-server]=redis-server [chromium]=chromium
+  [postgresql]='/usr/lib/postgresql/*/bin/initdb' [nginx]=nginx [prometheus]=promtool
+  [kubernetes-client]=kubectl)
+present() {
+  if [[ "$1" == */* ]]; then compgen -G "$1" >/dev/null; else
+    command -v "$1" >/dev/null 2>&1 || [[ -x "/usr/sbin/$1" ]]; fi
+}
 missing=()
 for pkg in "$@"; do
-  command -v "${binary_of[$pkg]:-$pkg}" >/dev/null 2>&1 || missing+=("$pkg")
+  present "${binary_of[$pkg]:-$pkg}" || missing+=("$pkg")
 done
 [[ ${#missing[@]} -eq 0 ]] && exit 0
 

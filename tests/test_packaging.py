@@ -118,24 +118,33 @@ def test_commented_gpu_block_is_valid_once_uncommented(tmp_path: Path) -> None:
     with_gpu = tmp_path / "docker-compose.gpu.yml"
     with_gpu.write_text("\n".join(lines[:start] + uncommented + lines[end:]) + "\n")
     check_compose_schema(with_gpu)
-    devices = yaml.safe_load(with_gpu.read_text())["services"]["app"]["deploy"]["resources"]["reservations"][
-        "devices"
-    ]
-    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    services = yaml.safe_load(with_gpu.read_text())["services"]
+    for replica in ("app1", "app2"):  # the block sits in the x-app anchor both replicas merge
+        devices = services[replica]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
 
 
-def test_compose_app_service(compose: dict[str, Any]) -> None:
-    app = compose["services"]["app"]
-    assert app["build"] == "."
-    assert any(str(port).endswith("7860") for port in app["ports"])
+@pytest.mark.parametrize("replica", ["app1", "app2"])
+def test_compose_app_replicas(compose: dict[str, Any], replica: str) -> None:
+    app = compose["services"][replica]
+    assert app["build"] == "." and "ports" not in app, "replicas are reached through nginx only"
     env = app["environment"]
     assert env["REDIS_URL"] == "redis://:${REDIS_PASSWORD:-change-me}@redis:6379/0"
-    assert "${ADMIN_TOKEN" in env["ADMIN_TOKEN"]
-    assert env["DATA_DIR"] == "/data"
+    database = env["DATABASE_URL"]
+    assert database.startswith("postgresql+psycopg://") and "@postgres:5432/" in database
+    assert env["ADMIN_TOKEN"].startswith("${ADMIN_TOKEN:?"), "one token for the fleet, required"
+    assert env["DATA_DIR"] == "/data" and env["REPLICA_ID"] == f"app-{replica[-1]}"
     volume = next(v for v in app["volumes"] if v.endswith(":/data"))
     assert volume.split(":")[0] in compose["volumes"], "DATA_DIR must be on a named volume"
-    assert app["depends_on"]["redis"]["condition"] == "service_healthy"
-    assert any("/healthz" in part for part in app["healthcheck"]["test"])
+    assert {app["depends_on"][s]["condition"] for s in ("redis", "postgres")} == {"service_healthy"}
+    assert any("/readyz" in part for part in app["healthcheck"]["test"])
+
+
+def test_compose_nginx_sends_traffic_to_ready_replicas(compose: dict[str, Any]) -> None:
+    nginx = compose["services"]["nginx"]
+    assert any(str(port).startswith("7860:") for port in nginx["ports"])
+    assert {nginx["depends_on"][r]["condition"] for r in ("app1", "app2")} == {"service_healthy"}
+    assert "./deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro" in nginx["volumes"]
 
 
 def test_compose_redis_service(compose: dict[str, Any]) -> None:
@@ -146,7 +155,8 @@ def test_compose_redis_service(compose: dict[str, Any]) -> None:
     options = dict(zip(command[1::2], command[2::2], strict=False))
     assert options["--requirepass"] == "${REDIS_PASSWORD:-change-me}"
     assert options["--maxmemory"] == "256mb"
-    assert options["--maxmemory-policy"] == "allkeys-lru"
+    # Evicts only keys with a TTL: never the generation (tests/test_deploy.py checks it with a real Redis).
+    assert options["--maxmemory-policy"] == "volatile-lru"
     assert options["--appendonly"] == "no"
     assert options["--save"], "an RDB snapshot keeps the cache warm across restarts"
     volume = next(v for v in redis["volumes"] if v.endswith(":/data"))
