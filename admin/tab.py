@@ -12,6 +12,7 @@ import gradio as gr
 
 from admin.auth import AdminAuth, AuthOutcome
 from admin.charts import all_figures
+from admin.replicas_tab import build_replicas_panel, fleet_line
 from admin.service import WINDOWS_S, AdminService
 from engine.errors import InvalidInputError
 
@@ -122,7 +123,7 @@ def make_callbacks(admin: AdminService, auth: AdminAuth) -> dict[str, Callable[.
         if tier in ("l2", "all"):
             parts.append(f"L2: {result['l2_removed']:,} removed" if result["l2_removed"] is not None
                          else f"L2: not flushed ({result['l2_error']})")  # fmt: skip
-        return f"**Flushed {tier}.** " + " · ".join(parts)
+        return f"**Flushed {tier}.** " + " · ".join(parts) + fleet_line(result)
 
     def bump(session: str | None, note: str | None, confirmed: bool) -> str:
         actor = _require(session)
@@ -131,7 +132,8 @@ def make_callbacks(admin: AdminService, auth: AdminAuth) -> dict[str, Callable[.
         result = admin.bump_version(actor=actor, note=note)
         if not result["ok"]:
             return f"**Version not bumped:** {result['error']}"
-        return f"**Cache version bumped** from {result['generation_before']} to {result['generation']}."
+        return (f"**Cache version bumped** from {result['generation_before']} to {result['generation']}."
+                + fleet_line(result))  # fmt: skip
 
     return {"sign_in": sign_in, "sign_out": sign_out, "refresh": refresh, "flush": flush, "bump": bump}
 
@@ -174,6 +176,7 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
             action_result = gr.Markdown(elem_id="admin-action-result")
             audit = gr.Dataframe(headers=AUDIT_HEADERS, label="Audit log", interactive=False,
                                  elem_id="admin-audit")  # fmt: skip
+            replicas_after = build_replicas_panel(admin, session, [refresh_btn.click, window.change])
 
         refresh_outputs = [cards, hit_plot, tier_plot, latency_plot, hot_plot, state_json, audit]
         sign_in_event = gr.on(
@@ -182,6 +185,7 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
         )  # fmt: skip
         sign_in_event.then(_refresh_if_signed_in(cb["refresh"]), inputs=[session, window],
                            outputs=refresh_outputs, api_visibility="private")  # fmt: skip
+        replicas_after(sign_in_event)
         sign_out_btn.click(cb["sign_out"], outputs=[session, login_box, console], api_visibility="private")
         gr.on([refresh_btn.click, window.change], cb["refresh"], inputs=[session, window],
               outputs=refresh_outputs, api_name="admin_refresh", **private)  # fmt: skip

@@ -261,3 +261,14 @@ def test_member_closes_idempotently(fleet) -> None:
     assert isinstance(member, FleetMember)
     member.close()
     member.close()
+
+
+def test_console_lists_replicas_and_names_unconfirmed_ones(fleet) -> None:
+    from admin.replicas_tab import fleet_line, make_replicas_callback
+
+    a, _b = fleet("A"), fleet("B")
+    rows = make_replicas_callback(a.admin)("signed-in operator")
+    assert [row[0] for row in rows] == ["A (this one)", "B"] and {row[1] for row in rows} == {"live"}
+    line = fleet_line({"fleet": {"confirmed": ["A"], "unconfirmed": ["B"], "left": [], "lost": ["C"],
+                                 "waited_s": 5.0, "timeout_s": 5.0, "error": None}})  # fmt: skip
+    assert "not confirmed within 5 s: B" in line and "C" in line
