@@ -7,17 +7,22 @@ client: 429 for a while. Health and metrics endpoints live here too.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
 from admin.auth import AdminAuth, AuthOutcome, bearer_token
 from admin.metrics import Metrics
 from admin.service import AdminService, FleetUnavailableError
+from admin.trust import entry_input
 from engine.errors import InvalidInputError
 from engine.service import InferenceEngine
+
+log = logging.getLogger(__name__)
 
 
 def _fleet_status(result: dict[str, Any]) -> int:
@@ -118,5 +123,29 @@ def build_router(
             return JSONResponse({"replicas": admin.replicas()})
         except FleetUnavailableError as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
+
+    async def entry_call(request: Request, action: str) -> JSONResponse:
+        if (refused := authorize(request)) is not None:
+            return refused
+        body = await json_body(request)
+        try:
+            task, raw = entry_input(body)
+            if action == "inspect":
+                result = await run_in_threadpool(admin.inspect, task, raw)  # may decode an image
+            else:
+                result = await run_in_threadpool(admin.evict, task, raw, actor=actor(request))
+        except InvalidInputError as exc:
+            log.info("admin %s refused: %s", action, exc.message)
+            status = 404 if exc.code == "unknown_task" else 400
+            return JSONResponse({"error": exc.message}, status_code=status)
+        return JSONResponse(result, status_code=_fleet_status(result))
+
+    @router.post("/admin/api/inspect")
+    async def admin_inspect(request: Request) -> JSONResponse:
+        return await entry_call(request, "inspect")
+
+    @router.post("/admin/api/evict")
+    async def admin_evict(request: Request) -> JSONResponse:
+        return await entry_call(request, "evict")
 
     return router

@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from admin import stats
+from admin.trust import shadow_report
 from engine.errors import CacheUnavailableError, InvalidInputError
 from engine.fleet import FleetAck, FleetMember
 from engine.service import InferenceEngine, RequestRecord
@@ -89,6 +90,26 @@ class AdminService:
             result = {"ok": False, "generation": before, "error": f"Redis unavailable: {exc}"}
         self._audit("bump_version", {"note": note} if note else {}, result, actor)
         return result
+
+    def inspect(self, task: str, raw: Any) -> dict[str, Any]:
+        """One entry as each tier holds it (engine.entries); changes nothing, not audited."""
+        return asdict(self._engine.inspect(task, raw))
+
+    def evict(self, task: str, raw: Any, *, actor: str) -> dict[str, Any]:
+        """Remove the entry `raw` has now from L2 and L1 (engine.evict), with an audit row."""
+        key = self._engine.entry_key(task, raw)
+        result = asdict(self._engine.evict(key))
+        # engine.evict tells the fleet without waiting (shadow verification calls it too); the
+        # operator's answer waits for every live replica to confirm its L1 copy is gone.
+        result["fleet"] = self._fleet_ack(lambda fleet: fleet.broadcast_l1({"op": "evict", "keys": [key]}))
+        self._audit("evict", {"task": task, "key": key}, result, actor)
+        return result
+
+    def tasks(self) -> list[str]:
+        return list(self._engine.models)
+
+    def shadow_report(self) -> dict[str, Any]:
+        return shadow_report(self._engine)
 
     def _audit(self, action: str, params: dict[str, Any], result: dict[str, Any], actor: str) -> None:
         log.info("admin %s %s by %s -> %s", action, params, actor, result)

@@ -14,6 +14,7 @@ from admin.auth import AdminAuth, AuthOutcome
 from admin.charts import all_figures
 from admin.replicas_tab import build_replicas_panel, fleet_line
 from admin.service import WINDOWS_S, AdminService
+from admin.trust_tab import build_trust_panel
 from engine.errors import InvalidInputError
 
 CARD_CSS = """
@@ -177,6 +178,7 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
             audit = gr.Dataframe(headers=AUDIT_HEADERS, label="Audit log", interactive=False,
                                  elem_id="admin-audit")  # fmt: skip
             replicas_after = build_replicas_panel(admin, session, [refresh_btn.click, window.change])
+            build_trust_panel(admin, session)
 
         refresh_outputs = [cards, hit_plot, tier_plot, latency_plot, hot_plot, state_json, audit]
         sign_in_event = gr.on(

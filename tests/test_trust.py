@@ -34,11 +34,17 @@ def _admin(url: str, path: str, body: Any, headers: dict[str, str] | None = AUTH
 
 
 def test_inspect_shows_one_entry_and_evict_removes_it_from_both_tiers_with_an_audit_row(
-    serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis
+    serve: Callable[..., tuple[str, Runtime]],
+    make_runtime: Callable[..., Runtime],
+    redis_server: EmbeddedRedis,
 ) -> None:
     url, runtime = serve(redis_url=redis_server.url, admin_token=TOKEN, cache_signing_keys=(K1,))
     engine = runtime.engine
     first = engine.classify("text", "  Where is my PARCEL? ")
+    # Another replica on the same Redis, holding the answer in its own L1.
+    other = make_runtime(redis_url=redis_server.url, cache_signing_keys=(K1,)).engine
+    assert other.classify("text", "Where is my PARCEL?").tier == "l2"
+    assert other.classify("text", "Where is my PARCEL?").tier == "l1"
     body = {"task": "text", "input": "Where is my PARCEL?"}  # the same canonical text
 
     refused = _admin(url, "/admin/api/inspect", body, headers=None)
@@ -60,7 +66,14 @@ def test_inspect_shows_one_entry_and_evict_removes_it_from_both_tiers_with_an_au
 
     gone = _admin(url, "/admin/api/evict", body)
     assert gone.status_code == 200, gone.text
-    assert gone.json() == {"key": first.key, "l1_removed": True, "l2_removed": True, "l2_error": None}
+    evicted = gone.json()
+    assert {k: evicted[k] for k in ("key", "l1_removed", "l2_removed", "l2_error")} == {
+        "key": first.key,
+        "l1_removed": True,
+        "l2_removed": True,
+        "l2_error": None,
+    }
+    assert evicted["fleet"]["complete"] is True  # every live replica confirmed
     direct = redis.Redis.from_url(redis_server.url)
     try:
         assert direct.exists(first.key) == 0
@@ -71,6 +84,7 @@ def test_inspect_shows_one_entry_and_evict_removes_it_from_both_tiers_with_an_au
     audit = runtime.admin.audit_rows()
     assert audit[0]["action"] == "evict" and first.key in audit[0]["params"]
     assert engine.classify("text", "Where is my PARCEL?").tier == "miss"
+    assert other.classify("text", "Where is my PARCEL?").tier != "l1"  # its L1 copy went too
 
 
 @pytest.mark.parametrize(
