@@ -5,15 +5,17 @@ InferenceCacheError
  ├── ModelError             the model failed on a valid input; never cached
  │    └── ModelLoadError    weights missing or not matching the architecture
  └── CacheUnavailableError  a cache tier cannot be reached (handled inside the engine)
+      └── CacheSkippedError  one cluster primary skipped by its breaker; the others may answer
 """
 
 from __future__ import annotations
 
 # The base and the cache error live on the bottom floor, where the stores raise them;
 # they are the same classes here, so `except CacheUnavailableError` catches either import.
-from storage.errors import CacheUnavailableError, InferenceCacheError
+from storage.errors import CacheSkippedError, CacheUnavailableError, InferenceCacheError
 
 __all__ = [
+    "CacheSkippedError",
     "CacheUnavailableError",
     "InferenceCacheError",
     "InvalidInputError",

@@ -27,7 +27,7 @@ from engine.codec import (
     ValueCodec,
 )
 from engine.entries import EntryReport, EvictResult, entry_key, inspect_entry
-from engine.errors import CacheUnavailableError, InvalidInputError, ModelError
+from engine.errors import CacheSkippedError, CacheUnavailableError, InvalidInputError, ModelError
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.keys import CacheKey, digest_parts, raw_digest
@@ -132,7 +132,8 @@ RequestListener = Callable[[RequestRecord], None]
 
 class _L2Budget:
     """Per request: after one L2 failure, skip L2 for the rest of the request, so a
-    slow or dead Redis costs a request at most one socket timeout."""
+    slow or dead Redis costs a request at most one socket timeout. A cluster primary
+    skipped by its open breaker (CacheSkippedError) cost nothing and spends nothing."""
 
     __slots__ = ("available",)
 
@@ -596,8 +597,8 @@ class InferenceEngine:
         waiting = self._writes.take()  # they ride along with this read
         try:
             raw, refused = self._l2.get_after_writes([w.item() for w in waiting], key)
-        except CacheUnavailableError:
-            budget.available = False
+        except CacheUnavailableError as exc:
+            budget.available = isinstance(exc, CacheSkippedError)
             self._count("l2_errors")
             return None, "miss"
         if refused:
@@ -651,8 +652,8 @@ class InferenceEngine:
             return  # dropped: a cache write is never worth a second timeout
         try:
             self._l2.set_many([w.item() for w in writes])
-        except CacheUnavailableError:
-            budget.available = False
+        except CacheUnavailableError as exc:
+            budget.available = isinstance(exc, CacheSkippedError)
             self._count("l2_errors")
 
     # ---- bookkeeping ------------------------------------------------------

@@ -10,3 +10,8 @@ class InferenceCacheError(Exception):
 
 class CacheUnavailableError(InferenceCacheError):
     """A cache tier (Redis) is down, slow or switched off."""
+
+
+class CacheSkippedError(CacheUnavailableError):
+    """A call to one primary of a Redis Cluster not sent, its breaker being open: it cost no
+    time, so the same request may still use the cluster's other primaries."""

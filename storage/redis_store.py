@@ -18,7 +18,7 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from storage.breaker import BreakerState, CircuitBreaker
-from storage.errors import CacheUnavailableError
+from storage.errors import CacheSkippedError, CacheUnavailableError
 from storage.redis_clients import node_client
 from storage.redis_cluster import TOPOLOGY_SHARD, ClusterNodes, OneNode
 
@@ -110,7 +110,9 @@ class RedisStore:
             raise CacheUnavailableError("the Redis store is closed")
         breaker = self._breaker if shard is None else self._breaker_for(shard)
         if not breaker.allow():
-            raise CacheUnavailableError("Redis is skipped while the circuit breaker is open")
+            # On a cluster, other primaries may still answer this request (engine's budget).
+            skipped = CacheSkippedError if self._nodes.is_cluster else CacheUnavailableError
+            raise skipped("Redis is skipped while the circuit breaker is open")
         try:
             result = operation()
         except (redis.RedisError, RedisClusterException) as exc:
@@ -166,8 +168,8 @@ class RedisStore:
         for shard, indexes in self._groups([key for key, _, _ in items]).items():
             try:
                 self._pipeline(shard, [items[i] for i in indexes], read=None, raise_on_error=True)
-            except CacheUnavailableError as exc:
-                failure = failure or exc
+            except CacheUnavailableError as exc:  # a real failure outranks a skip
+                failure = exc if failure is None or isinstance(failure, CacheSkippedError) else failure
         if failure is not None:
             raise failure
 

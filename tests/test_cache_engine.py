@@ -380,7 +380,7 @@ def test_an_upload_miss_writes_result_and_alias_in_one_round_trip(make_runtime, 
         store = runtime.engine.l2_store()
         assert store is not None
         call = store._call
-        store._call = lambda operation, call=call: round_trips.append("call") or call(operation)  # type: ignore[method-assign]
+        store._call = lambda *args, call=call: round_trips.append("call") or call(*args)  # type: ignore[method-assign]
 
     assert first.engine.classify("text", "photo bytes, as uploaded").tier == "miss"
     assert len(round_trips) == 3
@@ -450,7 +450,7 @@ def gated(make_runtime, redis_server, write_delay_s, monkeypatch):
     assert store is not None
     round_trips: list[str] = []
     call = store._call
-    store._call = lambda operation: round_trips.append("call") or call(operation)  # type: ignore[method-assign]
+    store._call = lambda *args: round_trips.append("call") or call(*args)  # type: ignore[method-assign]
     client = redis.Redis.from_url(redis_server.url)
     held: list[HeldRequest] = []
 
