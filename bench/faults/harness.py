@@ -21,6 +21,7 @@ from bench.faults.config import PREFIX, REDIS_MAXMEMORY_MB, Sizes
 from bench.faults.inputs import Case, Oracle, image_variants, probe_texts, text_variants
 from bench.faults.processes import AppProcess
 from bench.models import SCORE_TOLERANCE
+from bench.postgres_server import PostgresServer
 from engine.keys import raw_digest
 from engine.models.base import Classifier
 from settings import Settings
@@ -287,6 +288,8 @@ class Context:
     probes: Iterator[str]  # fresh texts, never sent before
     log: Callable[[str], None] = print
     remaining: int = 0  # scenarios still to run after the current one
+    # The PostgreSQL server holding B's request log (A keeps SQLite): both backends under faults.
+    postgres: PostgresServer | None = None
 
     @property
     def direct(self) -> redis.Redis:
@@ -324,6 +327,8 @@ class Context:
         for app in self.apps:
             app.stop(grace_s=5.0)
         self.redis_server.close()
+        if self.postgres is not None:
+            self.postgres.close()
 
 
 def build_context(
@@ -341,7 +346,19 @@ def build_context(
         data_dir=work / "redis", maxmemory_mb=REDIS_MAXMEMORY_MB, port=free_port(), save=False
     )
     server.start()
-    apps = [AppProcess(name, data_dir=work / f"app-{name}", redis_url=server.url) for name in ("A", "B")]
+    try:
+        postgres = PostgresServer().start()
+        database_url = postgres.create_database("infcache")
+    except BaseException:
+        server.close()
+        raise
+    apps = [
+        AppProcess(
+            name, data_dir=work / f"app-{name}", redis_url=server.url,
+            database_url=database_url if name == "B" else None,
+        )
+        for name in ("A", "B")
+    ]
     try:
         for app in apps:
             app.start()
@@ -366,12 +383,14 @@ def build_context(
         for app in apps:
             app.kill()
         server.close()
+        postgres.close()
         raise
     log(
-        f"set-up: Redis {server.url}, apps A (pid {apps[0].pid}) and B (pid {apps[1].pid}) ready, "
+        f"set-up: Redis {server.url}, PostgreSQL :{postgres.port} (B's request log), "
+        f"apps A (pid {apps[0].pid}) and B (pid {apps[1].pid}) ready, "
         f"{len(pool)} reference answers, in {time.monotonic() - started:.1f}s"
     )
-    return Context(sizes, work, server, apps, oracle, pool, probes, log=log)
+    return Context(sizes, work, server, apps, oracle, pool, probes, log=log, postgres=postgres)
 
 
 def _quiet() -> None:

@@ -25,8 +25,9 @@ def _die_with_parent() -> None:  # in the child between fork and exec: no orphan
 class AppProcess:
     """One `python app.py` with its own port and DATA_DIR, sharing the suite's Redis."""
 
-    def __init__(self, name: str, *, data_dir: Path, redis_url: str) -> None:
+    def __init__(self, name: str, *, data_dir: Path, redis_url: str, database_url: str | None = None) -> None:
         self.name = name
+        self.database_url = database_url  # None: SQLite under DATA_DIR
         self.port = free_port()
         self.data_dir = data_dir
         self.redis_url = redis_url
@@ -65,6 +66,8 @@ class AppProcess:
             GRADIO_ANALYTICS_ENABLED="False",
             PYTHONUNBUFFERED="1",
         )
+        if self.database_url is not None:
+            env["DATABASE_URL"] = self.database_url
         self.starts += 1
         with open(self.log_path, "ab") as log:
             log.write(f"\n---- start #{self.starts} ----\n".encode())

@@ -12,6 +12,7 @@ from bench.faults.harness import Context, Run, ScenarioResult
 from bench.faults.scenarios_fleet import app_killed, graceful_stop, single_flight, version_bump
 from bench.faults.scenarios_input import malformed_inputs
 from bench.faults.scenarios_ops import admin_bruteforce, log_locked
+from bench.faults.scenarios_postgres import postgres_restarted
 from bench.faults.scenarios_redis import (
     corrupt_values,
     redis_connections_dropped,
@@ -41,6 +42,7 @@ SCENARIOS = (
     Scenario("single_flight", "200 concurrent requests for one new input", single_flight),
     Scenario("version_bump", "Cache version bump while two processes serve", version_bump),
     Scenario("log_locked", "SQLite request log locked by another writer", log_locked),
+    Scenario("postgres_restarted", "PostgreSQL request log restarted under load", postgres_restarted),
     Scenario("malformed_inputs", "Malformed uploads and hostile texts", malformed_inputs),
     Scenario("admin_bruteforce", "Admin API brute force", admin_bruteforce),
     Scenario("app_killed", "App process killed (SIGKILL) under load, then restarted", app_killed),
