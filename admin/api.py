@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from admin.auth import AdminAuth, AuthOutcome, bearer_token
 from admin.metrics import Metrics
-from admin.service import AdminService, FleetUnavailableError
+from admin.service import AdminService, FleetUnavailableError, LogUnavailableError
 from admin.trust import entry_input
 from engine.errors import InvalidInputError
 from engine.service import InferenceEngine
@@ -92,6 +92,8 @@ def build_router(
             return JSONResponse(admin.stats(window))
         except InvalidInputError as exc:
             return JSONResponse({"error": exc.message}, status_code=400)
+        except LogUnavailableError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503)
 
     @router.post("/admin/api/flush")
     async def admin_flush(request: Request) -> JSONResponse:

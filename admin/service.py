@@ -9,6 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from admin import stats
 from admin.trust import shadow_report
@@ -26,6 +27,10 @@ MAX_NOTE_CHARS = 500
 
 def record_to_row(record: RequestRecord) -> dict[str, Any]:
     return record._asdict()
+
+
+class LogUnavailableError(Exception):
+    """The request-log database cannot be read (down, restarting, locked too long)."""
 
 
 class FleetUnavailableError(Exception):
@@ -142,15 +147,25 @@ class AdminService:
         self._writer.flush(timeout_s=1.0)  # show what has just happened
         window_s = self.window_s(window)
         now = self._clock()
+        try:
+            reads = {
+                "summary": stats.as_plain(stats.summary(self._db, now=now, window_s=window_s)),
+                "per_minute": [
+                    {**stats.as_plain(b), "hit_rate": b.hit_rate}
+                    for b in stats.per_minute(self._db, now=now, window_s=window_s)
+                ],
+                "latency": stats.as_plain(stats.latency_histogram(self._db, now=now, window_s=window_s)),
+                "hot_keys": stats.as_plain(stats.hot_keys(self._db, now=now, window_s=window_s)),
+            }
+        except SQLAlchemyError as exc:  # the database is telemetry: say so, no traceback
+            log.warning("console: the request log cannot be read: %s", exc.__class__.__name__)
+            raise LogUnavailableError(
+                f"the request log database is unavailable ({exc.__class__.__name__}); requests are "
+                "still served and their rows queued; try again shortly"
+            ) from None
         return {
             "window_s": window_s,
-            "summary": stats.as_plain(stats.summary(self._db, now=now, window_s=window_s)),
-            "per_minute": [
-                {**stats.as_plain(b), "hit_rate": b.hit_rate}
-                for b in stats.per_minute(self._db, now=now, window_s=window_s)
-            ],
-            "latency": stats.as_plain(stats.latency_histogram(self._db, now=now, window_s=window_s)),
-            "hot_keys": stats.as_plain(stats.hot_keys(self._db, now=now, window_s=window_s)),
+            **reads,
             "cache": self.cache_state(),
             "counters": asdict(self._engine.counters()),
             "log_writer": asdict(self._writer.stats()),

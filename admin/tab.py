@@ -13,7 +13,7 @@ import gradio as gr
 from admin.auth import AdminAuth, AuthOutcome
 from admin.charts import all_figures
 from admin.replicas_tab import build_replicas_panel, fleet_line
-from admin.service import WINDOWS_S, AdminService
+from admin.service import WINDOWS_S, AdminService, LogUnavailableError
 from admin.trust_tab import build_trust_panel
 from engine.errors import InvalidInputError
 
@@ -108,6 +108,8 @@ def make_callbacks(admin: AdminService, auth: AdminAuth) -> dict[str, Callable[.
             data = admin.stats(window)
         except InvalidInputError as exc:
             raise gr.Error(exc.message, print_exception=False) from None
+        except LogUnavailableError as exc:
+            raise gr.Error(str(exc), print_exception=False) from None
         figures = all_figures(data)
         return (stat_cards(data), figures["hit_rate"], figures["tiers"], figures["latency"],
                 figures["hot_keys"], data["cache"], _audit_table(admin))  # fmt: skip

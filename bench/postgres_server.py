@@ -94,10 +94,12 @@ class PostgresServer:
             raise RuntimeError("this PostgresServer is closed")
         if not self._initialised:
             self._initdb()
-        # Test settings: loopback only, no unix socket, no fsync (data loss on a crash is fine).
+        # Test settings: loopback only, no unix socket, no fsync (only a machine crash could lose
+        # data). Commits stay synchronous: a committed row survives a server crash (`stop("immediate")`),
+        # as in production, so the fault suite can count rows exactly.
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' -c fsync=off "
-            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+            "-c full_page_writes=off -c max_connections=200"
         )
         self._run("pg_ctl", "-D", str(self.data_dir), "-l", str(self.log_path), "-o", options,
                   "-w", "-t", str(int(self._startup_timeout_s)), "start")  # fmt: skip

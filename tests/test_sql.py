@@ -292,3 +292,25 @@ def test_replicas_sharing_a_database_are_all_counted(make_runtime, database_url:
         assert summary["by_tier"]["l1"] == 2 and summary["by_tier"]["miss"] == 3
     b.admin.flush("l1", actor="token:test")
     assert [(r["action"], r["replica"]) for r in a.admin.audit_rows()] == [("flush", "replica-b")]
+
+
+def test_console_says_the_log_is_unavailable_while_postgresql_is_down(make_runtime) -> None:
+    """Its own server, stopped mid-test: requests go on, the console gets a clear 503-style
+    error (no traceback), and once the server is back the queued rows are written and read."""
+    from admin.service import LogUnavailableError
+    from bench.postgres_server import PostgresServer
+
+    with PostgresServer() as server:
+        runtime = make_runtime(models={"text": CountingTextModel()}, database_url=server.url())
+        runtime.engine.classify("text", "before")
+        assert runtime.admin.stats("1h")["summary"]["total"] == 1
+        server.stop("immediate")
+        for message in ["during", "during", "another"]:
+            assert runtime.engine.classify("text", message).tier in ("miss", "l1")
+        with pytest.raises(LogUnavailableError, match="request log database is unavailable"):
+            runtime.admin.stats("1h")
+        server.start()
+        runtime.log_writer.flush(timeout_s=30)
+        assert runtime.admin.stats("1h")["summary"]["total"] == 4
+        assert runtime.log_writer.stats().dropped == 0
+        runtime.close()
