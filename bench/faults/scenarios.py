@@ -10,6 +10,12 @@ from pathlib import Path
 
 from bench.faults.harness import Context, Run, ScenarioResult
 from bench.faults.scenarios_fleet import app_killed, graceful_stop, single_flight, version_bump
+from bench.faults.scenarios_fleet_ops import (
+    fleet_burst,
+    fleet_flush_bump,
+    generation_unconfirmed,
+    lease_holder_killed,
+)
 from bench.faults.scenarios_input import malformed_inputs
 from bench.faults.scenarios_ops import admin_bruteforce, log_locked
 from bench.faults.scenarios_postgres import postgres_restarted
@@ -41,10 +47,14 @@ SCENARIOS = (
     Scenario("corrupt_values", "Corrupt and foreign-schema values under live keys", corrupt_values),
     Scenario("single_flight", "200 concurrent requests for one new input", single_flight),
     Scenario("version_bump", "Cache version bump while two processes serve", version_bump),
+    Scenario("fleet_flush_bump", "Flushes and bumps under load, acknowledged by both", fleet_flush_bump),
+    Scenario("fleet_burst", "One new input asked of both replicas at once", fleet_burst),
+    Scenario("generation_unconfirmed", "Redis paused past GENERATION_CONFIRM_S", generation_unconfirmed),
     Scenario("log_locked", "SQLite request log locked by another writer", log_locked),
     Scenario("postgres_restarted", "PostgreSQL request log restarted under load", postgres_restarted),
     Scenario("malformed_inputs", "Malformed uploads and hostile texts", malformed_inputs),
     Scenario("admin_bruteforce", "Admin API brute force", admin_bruteforce),
+    Scenario("lease_holder_killed", "A replica killed holding single-flight leases", lease_holder_killed),
     Scenario("app_killed", "App process killed (SIGKILL) under load, then restarted", app_killed),
     Scenario("graceful_stop", "App stopped (SIGTERM) with a browser connected", graceful_stop),
 )
