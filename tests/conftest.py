@@ -88,6 +88,9 @@ def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
         redis_socket_timeout_s=0.2,
         breaker_reset_s=0.5,
         generation_refresh_s=0.2,
+        # Off: a sampled hit would run the stand-in models' predict_batch again and move their
+        # call counts; tests of shadow verification turn it on.
+        shadow_sample_rate=0.0,
     )
 
 
@@ -112,9 +115,6 @@ class CountingTextModel:
     def __init__(self, version: str = "standin-v1", delay_s: float = 0.0, *, cheap: bool = True) -> None:
         import threading
 
-        # Off: a sampled hit would run the stand-in models' predict_batch again and move their
-        # call counts; tests of shadow verification turn it on.
-        shadow_sample_rate=0.0,
         # cheap=False: behave like the image model, whose raw-input aliases go to Redis too.
         self.cheap_canonicalize = cheap
         self.version = version
