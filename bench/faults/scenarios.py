@@ -26,6 +26,12 @@ from bench.faults.scenarios_redis import (
     redis_noeviction,
     redis_paused,
 )
+from bench.faults.scenarios_trust import (
+    forged_values,
+    generation_key_evicted,
+    key_rotation,
+    planted_wrong_answer,
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,10 @@ SCENARIOS = (
     ),
     Scenario("redis_noeviction", "Redis at maxmemory with noeviction: writes refused", redis_noeviction),
     Scenario("corrupt_values", "Corrupt and foreign-schema values under live keys", corrupt_values),
+    Scenario("forged_values", "L2 values not signed by the replicas' key", forged_values),
+    Scenario("key_rotation", "Signing key rotated (new,old), then the old key retired", key_rotation),
+    Scenario("planted_wrong_answer", "A signed wrong answer, shadow-checked", planted_wrong_answer),
+    Scenario("generation_key_evicted", "The generation key evicted by Redis", generation_key_evicted),
     Scenario("single_flight", "200 concurrent requests for one new input", single_flight),
     Scenario("version_bump", "Cache version bump while two processes serve", version_bump),
     Scenario("fleet_flush_bump", "Flushes and bumps under load, acknowledged by both", fleet_flush_bump),
