@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 # Two answers agree when every class both list has scores within this (absolute), a class
 # only one lists is within it of the other's last listed score, and so the order may differ
-# only between classes closer than it. Measured on the CPU (docs/RELIABILITY.md, G17):
-# batch-of-1 vs batched passes and 1 vs 2 intra-op threads differ by at most ~1e-7.
+# only between classes closer than it. Measured on the CPU (docs/RELIABILITY.md, python -m bench.trust):
+# batch-of-1 vs batched passes and 1 vs 2 intra-op threads differ by at most 3.3e-7 (G21).
 SCORE_TOLERANCE = 1e-5
 QUEUE_SIZE = 16  # samples waiting for an idle model; more are dropped (and counted)
 IDLE_POLL_S = 0.005
