@@ -186,6 +186,23 @@ class LocalCluster:
                 return False
         return True
 
+    def owner(self, key: str) -> int:
+        """The port of the primary that owns `key`'s slot (asked of a live node)."""
+        from redis.crc import key_slot
+
+        slot = key_slot(key.encode())
+        for port in self.alive_ports():
+            client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+            try:
+                for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                    if int(start) <= slot <= int(end):
+                        return int(primary[1])
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+        raise LocalRedisError(f"no live node knows who owns slot {slot}")
+
     def alive_ports(self) -> list[int]:
         return [p for p in self.ports if p in self._servers.processes]
 

@@ -311,6 +311,32 @@ def test_a_dead_primary_costs_only_its_slots(make_runtime: Callable[..., Runtime
             store.close()
 
 
+@pytest.mark.parametrize("topology", ["cluster", "sentinel"])
+def test_the_fleet_works_on_a_cluster_and_through_sentinel(
+    make_runtime: Callable[..., Runtime], request: pytest.FixtureRequest, topology: str
+) -> None:
+    """One fleet's registry, acknowledged flush and bump, and cross-replica single flight
+    (engine/fleet.py, storage/redis_fleet.py) through `store.client` on both new forms."""
+    url = request.getfixturevalue(topology).url
+    fast = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.1, "generation_confirm_s": 0.5}
+    models = {name: CountingTextModel() for name in ("a", "b")}
+    first, second = (
+        make_runtime(models={"text": models[name]}, redis_url=url, replica_id=f"{topology}-{name}", **fast)
+        for name in ("a", "b")
+    )
+    ids = {f"{topology}-a", f"{topology}-b"}
+    wait_for(lambda: ids <= {r["id"] for r in first.admin.replicas()}, "both replicas in the registry")
+    first.admin.flush("all", actor="test")
+    assert second.engine.classify("text", "a fleet message").tier == "miss"
+    assert first.engine.classify("text", "a fleet message").tier == "l2"
+    flushed = first.admin.flush("all", actor="test")
+    assert flushed["fleet"]["complete"] and ids <= set(flushed["fleet"]["confirmed"]), flushed
+    assert second.engine.classify("text", "a fleet message").tier == "miss"  # its L1 was dropped too
+    bumped = first.admin.bump_version(actor="test")
+    assert bumped["ok"] and bumped["fleet"]["complete"], bumped
+    assert second.engine.generation == bumped["generation"]
+
+
 # --- Sentinel ---------------------------------------------------------------------------
 
 
