@@ -26,6 +26,7 @@ from bench.faults.scenarios_redis import (
     redis_noeviction,
     redis_paused,
 )
+from bench.faults.scenarios_redis_scale import cluster_node_down, sentinel_failover
 from bench.faults.scenarios_trust import (
     forged_values,
     generation_key_evicted,
@@ -51,6 +52,8 @@ SCENARIOS = (
     ),
     Scenario("redis_noeviction", "Redis at maxmemory with noeviction: writes refused", redis_noeviction),
     Scenario("corrupt_values", "Corrupt and foreign-schema values under live keys", corrupt_values),
+    Scenario("sentinel_failover", "Sentinel failover under load, two replicas", sentinel_failover),
+    Scenario("cluster_node_down", "One primary of a 3-primary cluster killed under load", cluster_node_down),
     Scenario("forged_values", "L2 values not signed by the replicas' key", forged_values),
     Scenario("key_rotation", "Signing key rotated (new,old), then the old key retired", key_rotation),
     Scenario("planted_wrong_answer", "A signed wrong answer, shadow-checked", planted_wrong_answer),
