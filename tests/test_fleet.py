@@ -272,3 +272,20 @@ def test_console_lists_replicas_and_names_unconfirmed_ones(fleet) -> None:
     line = fleet_line({"fleet": {"confirmed": ["A"], "unconfirmed": ["B"], "left": [], "lost": ["C"],
                                  "waited_s": 5.0, "timeout_s": 5.0, "error": None}})  # fmt: skip
     assert "not confirmed within 5 s: B" in line and "C" in line
+
+
+def test_lease_follows_the_p99_within_its_bounds(fleet) -> None:
+    from engine.fleet_flight import LEASE_MIN_S
+
+    flight = fleet("A", flight_lease_max_s=4.0).engine._fleet_flight
+    assert flight is not None
+    assert flight.lease_s("text") == 4.0  # nothing measured yet: the longest
+    for _ in range(99):
+        flight.record("text", 0.01)
+    assert flight.lease_s("text") == LEASE_MIN_S  # fast model: the floor
+    for _ in range(10):
+        flight.record("text", 0.5)
+    assert flight.lease_s("text") == pytest.approx(3 * 0.5 + 0.25)
+    for _ in range(10):
+        flight.record("text", 10.0)
+    assert flight.lease_s("text") == 4.0
