@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults soak clean setup
+.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults bench-redis-scale soak clean setup
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ run: $(STAMP)
 	$(PY) app.py
 
 test: $(STAMP)
-	@scripts/ensure_system_deps.sh redis-server chromium postgresql nginx prometheus kubernetes-client
+	@scripts/ensure_system_deps.sh redis-server redis-tools chromium postgresql nginx prometheus kubernetes-client
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
@@ -48,8 +48,13 @@ bench-workload: $(STAMP)
 
 # About 8 minutes on 2 CPUs; figures go to docs/RELIABILITY.md by hand.
 bench-faults: $(STAMP)
-	@scripts/ensure_system_deps.sh redis-server
+	@scripts/ensure_system_deps.sh redis-server redis-tools
 	$(PY) -m bench.faults
+
+# One Redis node against a 3-primary cluster and a Sentinel-managed primary (about 2 minutes).
+bench-redis-scale: $(STAMP)
+	@scripts/ensure_system_deps.sh redis-server redis-tools
+	$(PY) -m bench.redis_scale
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts

@@ -9,7 +9,7 @@ if [[ "${1:-}" == "--optional" ]]; then optional=1; shift; fi
 
 # What proves each package is there: a command on PATH, or a path pattern (PostgreSQL's
 # server binaries live under /usr/lib/postgresql/<version>/bin, off PATH).
-declare -A binary_of=([redis-server]=redis-server [chromium]=chromium
+declare -A binary_of=([redis-server]=redis-server [redis-tools]=redis-cli [chromium]=chromium
   [postgresql]='/usr/lib/postgresql/*/bin/initdb' [nginx]=nginx [prometheus]=promtool
   [kubernetes-client]=kubectl)
 present() {
