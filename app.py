@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 
+from process_setup import limit_malloc_arenas
 from runtime import build_runtime
 from settings import Settings, SettingsError
 from ui.server import serve
 
 
 def main() -> None:
+    limit_malloc_arenas()  # before any thread allocates (see process_setup)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = Settings.from_env()

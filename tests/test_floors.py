@@ -1,6 +1,7 @@
 """The floors (docs/ARCHITECTURE.md): an import may go down or sideways, never up.
 
-storage < engine < admin < api, ui < app.py, runtime.py (the composition root) < bench < tests.
+storage < engine < admin < api, ui < app.py, runtime.py (the composition root), process_setup.py < bench
+< tests.
 `settings.py` is plain data below them all: anyone may import it, and it imports nothing of ours.
 Every import counts, including those inside functions and under `if TYPE_CHECKING:`.
 """
@@ -25,6 +26,7 @@ FLOORS: dict[str, int] = {
     "ui": 4,
     "app": 5,
     "runtime": 5,
+    "process_setup": 5,
     "bench": 6,
     "tests": 7,
 }

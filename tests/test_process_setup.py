@@ -1,0 +1,53 @@
+"""Process set-up: malloc arenas limited before threads allocate (see process_setup)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A child that (maybe) limits arenas, then lets 8 threads allocate at once and counts
+# glibc's heaps (one per arena) in malloc_info's report.
+CHILD = """
+import ctypes, ctypes.util, sys, tempfile, threading
+sys.path.insert(0, {root!r})
+from process_setup import limit_malloc_arenas
+if sys.argv[1] == "limit":
+    assert limit_malloc_arenas(2)
+barrier = threading.Barrier(8)
+def work():
+    barrier.wait()
+    kept = [bytearray(40_000) for _ in range(50)]  # below the mmap threshold: arena memory
+    barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.fopen.restype = ctypes.c_void_p
+libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
+libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+libc.fclose.argtypes = (ctypes.c_void_p,)
+with tempfile.NamedTemporaryFile(suffix=".xml") as out:
+    stream = libc.fopen(out.name.encode(), b"w")
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    print(open(out.name).read().count("<heap nr="))
+"""
+
+
+def heaps(mode: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    result = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT)), mode], env=env,
+                            capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return int(result.stdout.strip())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc arenas")
+def test_malloc_arenas_are_limited_before_threads_allocate() -> None:
+    assert heaps("free") > 2, "8 allocating threads should spread over more than 2 arenas by default"
+    assert heaps("limit") <= 2
