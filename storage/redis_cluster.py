@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 NodeFactory = Callable[[str, int], redis.Redis]
 TOPOLOGY_REFRESH_MIN_S = 1.0  # re-read CLUSTER SLOTS at most this often
+SUSPECT_S = 30.0  # a primary whose call failed is asked for the slot table last for this long
 TOPOLOGY_SHARD = "cluster-topology"  # the breaker that guards reading the slot table
 # Replies that say the slot table we hold is out of date.
 _STALE_REPLIES = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
@@ -62,7 +63,7 @@ class OneNode:
     def unlink_groups(self, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
         return [keys]
 
-    def note_error(self, exc: BaseException) -> None:
+    def note_error(self, exc: BaseException, shard: str | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -94,6 +95,7 @@ class ClusterNodes:
         self._loaded_at = float("-inf")
         self._cluster: RedisCluster | None = None
         self._closed = False
+        self._suspects: dict[str, float] = {}  # primary -> when a call to it last failed
 
     @property
     def client(self) -> Any:
@@ -139,8 +141,11 @@ class ClusterNodes:
             by_slot.setdefault(key_slot(key), []).append(key)
         return list(by_slot.values())
 
-    def note_error(self, exc: BaseException) -> None:
-        """A failed call: the slot table may be out of date (a failover, a moved slot)."""
+    def note_error(self, exc: BaseException, shard: str | None = None) -> None:
+        """A failed call (on primary `shard`): the slot table may be out of date (a failover,
+        a moved slot), and `shard` is asked for it last for a while."""
+        if shard is not None and isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            self._suspects[shard] = self._clock()
         if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) or str(exc).startswith(
             _STALE_REPLIES
         ):
@@ -156,9 +161,12 @@ class ClusterNodes:
 
     def _load(self, previous: list[str] | None) -> list[str]:
         self._loaded_at = self._clock()  # also throttles failed attempts
-        # Known primaries first (one that just failed last), then the seeds from the URL.
-        known = sorted(set(previous or ()))
-        candidates = list(dict.fromkeys([*known, *self._seeds]))
+        # Known primaries, then the seeds from the URL; a node that failed within the last
+        # SUSPECT_S last, so a hung node costs a refresh a socket timeout only if no other answers.
+        now = self._clock()
+        recent = {name for name, at in self._suspects.items() if now - at < SUSPECT_S}
+        ordered = list(dict.fromkeys([*sorted(set(previous or ())), *self._seeds]))
+        candidates = [n for n in ordered if n not in recent] + [n for n in ordered if n in recent]
         last_error: Exception | None = None
         for name in candidates:
             try:

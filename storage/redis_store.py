@@ -117,7 +117,7 @@ class RedisStore:
             result = operation()
         except (redis.RedisError, RedisClusterException) as exc:
             breaker.record_failure()
-            self._nodes.note_error(exc)
+            self._nodes.note_error(exc, shard)
             raise CacheUnavailableError(f"Redis call failed: {exc.__class__.__name__}") from exc
         except BaseException:
             # Not Redis's fault (e.g. interrupted): release a half-open probe slot.
@@ -203,7 +203,7 @@ class RedisStore:
         value = replies[-1]
         if isinstance(value, Exception):
             self._breaker_for(read_shard).record_failure()
-            self._nodes.note_error(value)
+            self._nodes.note_error(value, read_shard)
             raise CacheUnavailableError(f"Redis call failed: {value.__class__.__name__}")
         return value, refused
 
@@ -224,7 +224,7 @@ class RedisStore:
         refused = [reply for reply in replies if isinstance(reply, Exception)]
         if refused:
             self._breaker_for(shard).record_failure()  # as a refused write on its own would
-            self._nodes.note_error(refused[0])
+            self._nodes.note_error(refused[0], shard)
         return len(refused)
 
     def delete(self, key: str) -> bool:

@@ -23,6 +23,7 @@ from settings import REDIS_URL_FORMS, Settings, SettingsError, parse_redis_url
 from storage.breaker import CircuitBreaker
 from storage.errors import CacheUnavailableError
 from storage.redis_clients import make_nodes
+from storage.redis_cluster import TOPOLOGY_REFRESH_MIN_S
 from storage.redis_store import RedisStore
 from tests.conftest import CountingTextModel
 
@@ -195,6 +196,33 @@ def test_cluster_writes_across_slots_ride_with_the_read(cluster_store: RedisStor
     assert cluster_store.get_after_writes([(c, b"newer", 60), (a, b"again", 60)], c) == (b"newer", 0)
 
 
+def test_a_hung_primary_costs_its_own_keys_one_timeout_and_no_other_key_any(cluster: LocalCluster) -> None:
+    store = RedisStore(make_nodes(cluster.url, socket_timeout_s=0.25), prefix="hung", breaker=quick_breaker(),
+                       breaker_factory=quick_breaker)  # fmt: skip
+    try:
+        hung = sorted(store.primaries())[0]  # the one a slot-table refresh would ask first by name
+        keys = sorted(keys_on_every_primary(store, "hung:k"), key=lambda k: store._shard(k) != hung)
+        store.set_many([(k, b"v", 60) for k in keys])
+        time.sleep(TOPOLOGY_REFRESH_MIN_S + 0.05)  # the next failure re-reads the slot table
+        pause_ms = 1500
+        node = redis.Redis(host="127.0.0.1", port=int(hung.rsplit(":", 1)[1]), socket_timeout=2)
+        node.execute_command("CLIENT", "PAUSE", pause_ms, "ALL")
+        paused_at = time.monotonic()
+        node.close()
+        started = time.perf_counter()
+        with pytest.raises(CacheUnavailableError):
+            store.get(keys[0])
+        assert time.perf_counter() - started < 0.25 * 2 + 0.15  # one timeout (and one quick retry at most)
+        for key in keys[1:]:  # the slot table is re-read from a node that answers, first
+            started = time.perf_counter()
+            assert store.get(key) == b"v"
+            assert time.perf_counter() - started < 0.2, "a live primary's key paid for the hung one"
+        assert store.stats().state == "partial"
+    finally:
+        time.sleep(max(0.0, pause_ms / 1000 - (time.monotonic() - paused_at) + 0.1))
+        store.close()
+
+
 def test_plain_client_works_on_a_cluster_for_leases_and_pub_sub(cluster_store: RedisStore) -> None:
     """What other storage modules use (`store.client`, `store.call(..., key=)`)."""
     client = cluster_store.client
@@ -318,7 +346,8 @@ def test_the_fleet_works_on_a_cluster_and_through_sentinel(
     """One fleet's registry, acknowledged flush and bump, and cross-replica single flight
     (engine/fleet.py, storage/redis_fleet.py) through `store.client` on both new forms."""
     url = request.getfixturevalue(topology).url
-    fast = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.1, "generation_confirm_s": 0.5}
+    # Heartbeats fast enough for a short test, slow enough for a busy 2-CPU machine.
+    fast = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.4, "generation_confirm_s": 2.0}
     models = {name: CountingTextModel() for name in ("a", "b")}
     first, second = (
         make_runtime(models={"text": models[name]}, redis_url=url, replica_id=f"{topology}-{name}", **fast)
@@ -364,10 +393,11 @@ def test_sentinel_failover_is_followed_without_a_restart(
             assert time.monotonic() < deadline, "L2 was not shared through the new primary within 15 s"
             time.sleep(0.1)
         generation = first.engine.bump_generation()
-        assert int(primary.get(f"{base_settings.cache_prefix}:meta:generation") or 0) == generation
+        # At least the bump (a replica may lift a value the old primary lost, never lower it).
+        assert int(primary.get(f"{base_settings.cache_prefix}:meta:generation") or 0) >= generation
     finally:
         primary.close()
-    wait_for(lambda: second.engine.generation == generation, "the other engine to read the new generation")
+    wait_for(lambda: second.engine.generation >= generation, "the other engine to read the new generation")
 
 
 def test_settings_object_keeps_the_url_as_given(cluster: LocalCluster) -> None:
