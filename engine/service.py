@@ -12,9 +12,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 from engine.batching import MicroBatcher
 from engine.codec import (
@@ -31,7 +31,16 @@ from engine.errors import CacheSkippedError, CacheUnavailableError, InvalidInput
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.keys import CacheKey, digest_parts, raw_digest
-from engine.models.base import Classifier, Prediction
+from engine.models.base import Classifier
+from engine.results import (  # re-exported: the engine's public types
+    CachePolicy,
+    ClassifyResult,
+    EngineCounters,
+    FlushResult,
+    ProbeMiss,
+    RequestListener,
+    RequestRecord,
+)
 from engine.shadow import ShadowVerifier
 from engine.singleflight import SingleFlight
 from engine.write_batch import L2Write, OverdueWriteTimer, WriteBatch
@@ -44,90 +53,6 @@ log = logging.getLogger(__name__)
 L2_WRITE_DELAY_S = 0.05
 
 
-class ProbeMiss(Exception):
-    """Raised in probe mode when the answer is not already cached (go to the queue)."""
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    prefix: str
-    l1_ttl_s: float
-    l2_ttl_s: int
-    negative_ttl_s: int
-
-    @property
-    def meta_prefix(self) -> str:
-        """Keys under this prefix are bookkeeping (the generation), never flushed."""
-        return f"{self.prefix}:meta:"
-
-
-@dataclass(slots=True)  # not frozen: built on every request, and frozen init is slow
-class ClassifyResult:
-    prediction: Prediction
-    tier: str
-    key: str
-    model: str
-    model_version: str
-    generation: int
-    latency_ms: float
-    device: str
-    age_s: float
-    model_ms: float | None = None  # forward time, on the request that ran the model
-
-    def cache_info(self) -> dict[str, Any]:
-        # Spelled out: dataclasses.asdict deep-copies and costs ~20x more, on every request.
-        return {
-            "tier": self.tier, "key": self.key, "model": self.model, "model_version": self.model_version,
-            "generation": self.generation, "latency_ms": self.latency_ms, "device": self.device,
-            "age_s": self.age_s,
-        }  # fmt: skip
-
-
-class RequestRecord(NamedTuple):
-    """What the request log and metrics see of one request. No raw input.
-    A NamedTuple: built on every request, so it must be cheap."""
-
-    at: float
-    task: str
-    tier: str | None  # None when the request failed before any tier answered
-    latency_ms: float
-    status: str  # "ok" | "invalid" | "error"
-    error_code: str | None
-    key_digest: str | None
-    model_version: str
-    generation: int
-    top_label: str | None
-    model_ms: float | None = None
-    route: str = "gradio"  # which front door the request came through: gradio | rest
-
-
-@dataclass
-class EngineCounters:
-    hits_l1: int = 0
-    hits_l2: int = 0
-    misses: int = 0
-    coalesced: int = 0
-    negative_hits: int = 0
-    invalid: int = 0
-    errors: int = 0
-    corrupt_values: int = 0
-    forged_values: int = 0  # L2 values whose signature is missing or wrong (signing on)
-    l2_errors: int = 0
-    model_calls: dict[str, int] = field(default_factory=dict)
-    model_seconds: dict[str, float] = field(default_factory=dict)
-    # task -> inputs per forward pass -> passes (1 for models that do not batch)
-    batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class FlushResult:
-    tier: str
-    l1_removed: int
-    l2_removed: int | None  # None when there is no L2 or it could not be reached
-    l2_error: str | None = None
-
-
-RequestListener = Callable[[RequestRecord], None]
 
 
 class _L2Budget:
