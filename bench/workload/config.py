@@ -11,12 +11,13 @@ PEERS = ("nocache", "seed", "grcache")
 # Opt-in (--systems), to say where a difference comes from: `ours-l1` is ours with
 # REDIS_URL=off (the Redis tier's cost, by difference); `ours-tcp` is ours with its Redis on
 # loopback TCP instead of a unix socket (what the transport costs); `ours-nobatch` is ours with
-# BATCH_MAX_SIZE=1 (what micro-batching gives); `nocache-twin` is a second, identical nocache
+# BATCH_MAX_SIZE=1 (what micro-batching gives); `ours-signed` is ours with CACHE_SIGNING_KEY
+# set (what signing L2 values costs); `nocache-twin` is a second, identical nocache
 # (the run's noise floor: its ratio to nocache should be 1.00).
-ATTRIBUTION_SYSTEMS = ("ours-l1", "ours-tcp", "ours-nobatch", "nocache-twin")
+ATTRIBUTION_SYSTEMS = ("ours-l1", "ours-tcp", "ours-nobatch", "ours-signed", "nocache-twin")
 ALL_SYSTEMS = SYSTEMS + ATTRIBUTION_SYSTEMS
 WORKLOADS = ("zipf-restart", "unique")
-USES_REDIS = frozenset({"seed", "ours", "ours-tcp", "ours-nobatch"})
+USES_REDIS = frozenset({"seed", "ours", "ours-tcp", "ours-nobatch", "ours-signed"})
 # Every Redis this script starts is like the app's private one (REDIS_URL unset): a unix
 # socket, no TCP port; these systems get loopback TCP instead.
 REDIS_OVER_TCP = frozenset({"ours-tcp"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -50,6 +51,8 @@ def build_system(
         return Ours(models, settings, name)
     if name == "ours-nobatch":
         return Ours(models, replace(settings, batch_max_size=1), name)
+    if name == "ours-signed":  # a fresh key per run: signing's cost, not a secret
+        return Ours(models, replace(settings, cache_signing_keys=(secrets.token_urlsafe(32),)), name)
     if name == "nocache-twin":
         return NoCache(models, name)
     raise ValueError(f"unknown system {name!r}")

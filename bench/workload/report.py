@@ -153,6 +153,7 @@ def ratio_table(results: Mapping[str, Mapping[str, Result]]) -> str:
         ("ours", "ours-l1"),
         ("ours-tcp", "ours"),
         ("ours-nobatch", "ours"),
+        ("ours-signed", "ours"),
         ("nocache-twin", "nocache"),
     ]
     for workload, by_system in results.items():
@@ -363,7 +364,7 @@ def write_chart(run: Run, path: Path) -> None:
     fig = make_subplots(rows=1, cols=len(panels) + 1, subplot_titles=titles)
     colours = {"nocache": "#7f7f7f", "seed": "#ff7f0e", "grcache": "#1f77b4", "ours": "#2ca02c",
                "ours-l1": "#98df8a", "ours-tcp": "#ff9896", "ours-nobatch": "#c5b0d5",
-               "nocache-twin": "#c7c7c7", "ours-rest": "#17becf"}  # fmt: skip
+               "ours-signed": "#f7b6d2", "nocache-twin": "#c7c7c7", "ours-rest": "#17becf"}  # fmt: skip
     for col, (_, by_system) in enumerate(panels, start=1):
         for name, result in by_system.items():
             ordered = np.sort(result.latencies_ms)
