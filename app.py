@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 
+from engine.models.config import ModelConfigError
 from process_setup import limit_malloc_arenas
-from runtime import build_runtime
+from runtime import build_runtime, model_specs
 from settings import Settings, SettingsError
 from ui.server import serve
 
@@ -17,7 +18,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = Settings.from_env()
-    except SettingsError as exc:  # a bad setting: its message, not a traceback
+        model_specs(settings)  # a bad MODELS_CONFIG entry is named now, before anything starts
+    except (SettingsError, ModelConfigError) as exc:  # a bad setting: its message, not a traceback
         logging.getLogger("app").error("refusing to start: %s", exc)
         raise SystemExit(1) from None
     serve(settings, build_runtime=build_runtime)

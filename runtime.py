@@ -19,6 +19,8 @@ from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.l1_gate import GatedMemoryStore, GenerationConfirmations
 from engine.models.base import Classifier
+from engine.models.config import DEFAULT_SPECS, ModelSpec, load_config
+from engine.models.loader import LoadOptions, load_all
 from engine.service import CachePolicy, InferenceEngine
 from settings import Settings
 from storage.breaker import CircuitBreaker
@@ -36,20 +38,23 @@ log = logging.getLogger(__name__)
 ModelFactory = Callable[[Settings], Mapping[str, Classifier]]
 
 
-def load_models(settings: Settings) -> dict[str, Classifier]:
-    """The two real models, loaded once (import is cheap; this is not)."""
-    from engine.models.image import ImageClassifier
-    from engine.models.text import TextClassifier
+def model_specs(settings: Settings) -> tuple[ModelSpec, ...]:
+    """What MODELS_CONFIG lists (raises ModelConfigError naming a bad entry); unset: the built-ins."""
+    return load_config(settings.models_config) if settings.models_config else DEFAULT_SPECS
 
-    return {
-        "image": ImageClassifier(
-            device=settings.device,
-            half_precision=settings.half_precision,
-            max_upload_bytes=settings.max_upload_bytes,
-            max_image_pixels=settings.max_image_pixels,
-        ),
-        "text": TextClassifier(device=settings.device, max_text_chars=settings.max_text_chars),
-    }
+
+def load_options(settings: Settings) -> LoadOptions:
+    return LoadOptions(
+        device=settings.device, half_precision=settings.half_precision,
+        max_upload_bytes=settings.max_upload_bytes, max_image_pixels=settings.max_image_pixels,
+        max_text_chars=settings.max_text_chars,
+    )  # fmt: skip
+
+
+def load_models(settings: Settings) -> dict[str, Classifier]:
+    """The configured models, loaded once and each checked with a forward pass (import is
+    cheap; this is not)."""
+    return load_all(model_specs(settings), load_options(settings))
 
 
 @dataclass

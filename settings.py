@@ -62,6 +62,16 @@ def _bounded_pixels(env: Mapping[str, str]) -> int:
     return value
 
 
+def _models_config(env: Mapping[str, str]) -> Path | None:
+    raw = env.get("MODELS_CONFIG", "").strip()
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    if not path.is_file():
+        raise SettingsError(f"MODELS_CONFIG={raw!r} is not a file")
+    return path
+
+
 def _admin_token(env: Mapping[str, str]) -> str | None:
     token = env.get("ADMIN_TOKEN", "").strip() or None
     if token is not None and len(token) < 8:
@@ -297,6 +307,10 @@ class Settings:
     cache_signing_keys: tuple[str, ...] = field(default=(), repr=False)
     # Share of cache hits recomputed off the request path, while the model is idle (0: off).
     shadow_sample_rate: float = 0.01
+    # A YAML file listing the served models (engine.models.config); None: the two built-ins.
+    models_config: Path | None = None
+    # Canonical inputs of the hottest keys kept in Redis to recompute after a swap or bump (0: off).
+    warm_set_size: int = 0
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -353,4 +367,6 @@ class Settings:
             log_max_rows=_int(env, "LOG_MAX_ROWS", 1_000_000, minimum=100),
             cache_signing_keys=_signing_keys(env),
             shadow_sample_rate=_rate(env, "SHADOW_SAMPLE_RATE", 0.01),
+            models_config=_models_config(env),
+            warm_set_size=_int(env, "WARM_SET_SIZE", 0, minimum=0),
         )

@@ -58,6 +58,10 @@ class MicroBatcher:
         self._waiting: deque[_Waiter] = deque()
         self._running = False
 
+    @property
+    def model(self) -> Classifier:
+        return self._model
+
     def predict(self, item: Any) -> BatchedPrediction:
         """The model's prediction for one canonical input (raises what the model raised)."""
         waiter = _Waiter(item)

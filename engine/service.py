@@ -92,19 +92,15 @@ class InferenceEngine:
         self._codec = codec or ValueCodec()  # unsigned (checksum) unless given signing keys
         # Only models that gain from it batch (see engine.batching): one pass at a time, the
         # misses that wait meanwhile share the next. The others run up to their limit at once.
-        self._batchers = {
-            task: MicroBatcher(model, max_batch=batch_max_size, on_pass=partial(self._count_pass, task))
-            for task, model in self._models.items()
-            if batch_max_size > 1 and getattr(model, "batch_misses", False)
-        }
+        self._batch_max_size = batch_max_size
+        self._batchers: dict[str, MicroBatcher] = {}
+        for task, model in self._models.items():
+            self._set_batcher(task, model)
         limits = dict(miss_concurrency or {})
         self._miss_limits = {task: max(1, limits.get(task, 1)) for task in self._models}
-        self._pass_slots = {
-            task: threading.BoundedSemaphore(self._miss_limits[task])
-            for task in self._models
-            if task not in self._batchers
-        }
-        self._batch_max_size = batch_max_size
+        # Every task has its slots: a model swapped in live may not batch where the old one did.
+        self._pass_slots = {t: threading.BoundedSemaphore(self._miss_limits[t]) for t in self._models}
+        self._swap_lock = threading.Lock()
         self._l1 = l1
         self._l2 = l2
         self._generation = generation
@@ -146,6 +142,27 @@ class InferenceEngine:
     @property
     def generation(self) -> int:
         return self._generation.current
+
+    def replace_model(self, task: str, model: Classifier) -> Classifier:
+        """Serve `model` for `task` from now on (a live reload, engine.lifecycle) and return the
+        old one. One assignment swaps it: a request that already took the old model finishes
+        on it (its key carries the old version), every later one takes the new model."""
+        with self._swap_lock:
+            old = self._models.get(task)
+            if old is None:
+                raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
+            self._set_batcher(task, model)  # before the model: the batcher checks which it serves
+            self._models[task] = model
+        log.info("%s: model %s replaced by %s", task, old.version, model.version)
+        return old
+
+    def _set_batcher(self, task: str, model: Classifier) -> None:
+        max_batch = getattr(model, "max_batch", None) or self._batch_max_size  # MODELS_CONFIG's max_batch
+        if max_batch > 1 and getattr(model, "batch_misses", False):
+            on_pass = partial(self._count_pass, task)
+            self._batchers[task] = MicroBatcher(model, max_batch=max_batch, on_pass=on_pass)
+        else:
+            self._batchers.pop(task, None)
 
     def admission_limit(self, task: str) -> int:
         """How many requests of a task may be inside the engine at once so that its
@@ -464,6 +481,7 @@ class InferenceEngine:
         budget: _L2Budget,
         pending_alias: L2Write | None,
     ) -> tuple[CachedResult, str, float | None]:
+        task = model.task
         # Inside the flight: another flight for this key may have just filled L1.
         cached, tier = self._lookup(key, (CachedResult,), budget)
         if cached is not None:
@@ -477,7 +495,9 @@ class InferenceEngine:
             if turn.found is not None:  # computed by another replica meanwhile
                 return turn.found, "coalesced", None  # type: ignore[return-value]
         canonical = canonical_input()
-        batcher = self._batchers.get(model.task)
+        batcher = self._batchers.get(task)
+        if batcher is not None and batcher.model is not model:
+            batcher = None  # swapped meanwhile (replace_model): this request finishes on its own model
         model_started = time.perf_counter()
         forward_s: float | None = None  # a batch's pass, without the wait for it
         share = 1.0  # of that pass, counted as this request's model time
@@ -486,9 +506,9 @@ class InferenceEngine:
                 prediction, batch_size, forward_s = batcher.predict(canonical)
                 share = 1.0 / batch_size
             else:
-                with self._pass_slots[model.task]:
+                with self._pass_slots[task]:
                     model_started = time.perf_counter()  # the pass, not the wait for a slot
-                    self._count_pass(model.task, 1)
+                    self._count_pass(task, 1)
                     prediction = model.predict_batch([canonical])[0]
         except InvalidInputError:
             raise
@@ -499,14 +519,15 @@ class InferenceEngine:
         finally:
             elapsed = forward_s if forward_s is not None else time.perf_counter() - model_started
             with self._counter_lock:
-                self._counters.model_calls[model.task] += 1
-                self._counters.model_seconds[model.task] += elapsed * share
+                self._counters.model_calls[task] += 1
+                self._counters.model_seconds[task] += elapsed * share
         if turn is not None:
             turn.succeeded()
         result = CachedResult(prediction, model.version, self._clock())
-        blob = self._store(key, result, self._policy.l2_ttl_s, self._policy.l1_ttl_s, None)
+        l2_ttl_s = getattr(model, "ttl_s", None) or self._policy.l2_ttl_s  # MODELS_CONFIG's ttl_s
+        blob = self._store(key, result, l2_ttl_s, min(self._policy.l1_ttl_s, float(l2_ttl_s)), None)
         # The result first: a replica that finds the alias then finds what it points to.
-        result_write = L2Write(key, blob, self._policy.l2_ttl_s)
+        result_write = L2Write(key, blob, l2_ttl_s)
         self._write_l2([result_write] + ([pending_alias] if pending_alias else []), budget)
         return result, "miss", elapsed * 1000.0
 

@@ -1,4 +1,5 @@
-"""The Gradio Blocks: Image and Text tabs. Callbacks translate widgets <-> engine only."""
+"""The Gradio Blocks: a tab per served task (image or text), How it works, Admin.
+Callbacks translate widgets <-> engine only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import gradio as gr
 from gradio.caching import CacheMissError
 
 from engine.errors import InvalidInputError, ModelError
+from engine.models.base import takes_image
 from engine.service import ClassifyResult, InferenceEngine, ProbeMiss
 from ui.components import UploadedImage
 
@@ -96,26 +98,42 @@ def read_upload(path: Path, max_upload_bytes: int) -> bytes:
 
 
 def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[str, Callable[..., Any]]:
+    """One callback per served task, named by its API name `classify_<task>`."""
+    callbacks: dict[str, Callable[..., Any]] = {}
+    for task, model in engine.models.items():
+        if takes_image(model):
+            callback = _upload_callback(engine, task, max_upload_bytes)
+        else:
+            callback = _message_callback(engine, task)
+        callback.__name__ = f"classify_{task}"
+        # Gradio's queue probes callbacks that carry a `cache` attribute before queueing
+        # them: a cached answer returns at once instead of waiting behind misses.
+        callback.cache = True  # type: ignore[attr-defined]
+        callbacks[f"classify_{task}"] = callback
+    return callbacks
+
+
+def _upload_callback(engine: InferenceEngine, task: str, max_upload_bytes: int) -> Callable[..., Any]:
     def classify_image(image: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Classify one image (ImageNet-1k, top 5). Returns the label and cache_info."""
+        """Classify one image. Returns the label and cache_info."""
         probe = in_queue_probe()
         with user_errors(probe):
             if not image:
                 raise InvalidInputError("no_image", "Please upload an image first.")
             data = read_upload(Path(image), max_upload_bytes)
-            return _respond(engine.classify("image", data, probe=probe))
+            return _respond(engine.classify(task, data, probe=probe))
 
+    return classify_image
+
+
+def _message_callback(engine: InferenceEngine, task: str) -> Callable[..., Any]:
     def classify_text(message: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Classify one customer-support message (top 5 intents). Returns the label and cache_info."""
+        """Classify one message. Returns the label and cache_info."""
         probe = in_queue_probe()
         with user_errors(probe):
-            return _respond(engine.classify("text", message if message is not None else "", probe=probe))
+            return _respond(engine.classify(task, message if message is not None else "", probe=probe))
 
-    # Gradio's queue probes callbacks that carry a `cache` attribute before queueing
-    # them: a cached answer returns at once instead of waiting behind misses.
-    classify_image.cache = True  # type: ignore[attr-defined]
-    classify_text.cache = True  # type: ignore[attr-defined]
-    return {"classify_image": classify_image, "classify_text": classify_text}
+    return classify_text
 
 
 EXAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "rocket.jpg")
@@ -179,71 +197,87 @@ def _miss_lane(engine: InferenceEngine, task: str) -> dict[str, Any]:
     return {"concurrency_limit": engine.admission_limit(task), "concurrency_id": f"classify_{task}"}
 
 
+def _tab_title(task: str) -> str:
+    return {"image": "Image", "text": "Text"}.get(task, task.replace("_", " ").replace("-", " ").capitalize())
+
+
+def _model_note(model: Any) -> str:
+    note = f"<small>{model.name} · version `{model.version}` · {model.device}"
+    intents = getattr(model, "intent_names", ())
+    return note + (f"<br>Intents: {', '.join(intents)}" if intents else "") + "</small>"
+
+
+def _image_tab(engine: InferenceEngine, task: str, model: Any, callback: Callable[..., Any]) -> None:
+    with gr.Row():
+        with gr.Column():
+            image_in = UploadedImage(
+                label="Photo", type="filepath", sources=["upload", "webcam", "clipboard"],
+                elem_id=f"{task}-input",
+            )  # fmt: skip
+            button = gr.Button("Classify image", variant="primary", elem_id=f"{task}-submit")
+        with gr.Column():
+            badge = gr.Markdown(elem_id=f"{task}-badge")
+            label = gr.Label(
+                num_top_classes=getattr(model, "top_k", 5), label="Top classes", elem_id=f"{task}-label"
+            )
+            info = gr.JSON(label="cache_info", elem_id=f"{task}-info")
+            gr.Markdown(_model_note(model))
+    photos = example_photos() if model.name == "efficientnet-lite0" else []  # ImageNet photos: the built-in's
+    if photos:
+        gr.Examples(examples=[str(p) for p in photos], inputs=image_in)
+    event = button.click(
+        callback, inputs=image_in, outputs=[label, info], api_name=f"classify_{task}",
+        **_miss_lane(engine, task),
+    )  # fmt: skip
+    event.then(badge_text, inputs=info, outputs=badge, api_visibility="private", queue=False)
+
+
+def _text_tab(engine: InferenceEngine, task: str, model: Any, callback: Callable[..., Any]) -> None:
+    builtin = bool(getattr(model, "intent_names", ()))  # the support-intents model has its examples
+    with gr.Row():
+        with gr.Column():
+            text_in = gr.Textbox(label="Support message" if builtin else "Message", lines=3,
+                                 elem_id=f"{task}-input")  # fmt: skip
+            button = gr.Button("Classify message", variant="primary", elem_id=f"{task}-submit")
+            if builtin:
+                gr.Examples(examples=[[t] for t in TEXT_EXAMPLES], inputs=text_in)
+        with gr.Column():
+            badge = gr.Markdown(elem_id=f"{task}-badge")
+            label = gr.Label(num_top_classes=getattr(model, "top_k", 5), elem_id=f"{task}-label",
+                             label="Top intents" if builtin else "Top classes")  # fmt: skip
+            info = gr.JSON(label="cache_info", elem_id=f"{task}-info")
+            gr.Markdown(_model_note(model))
+    event = gr.on(
+        [button.click, text_in.submit], callback, inputs=text_in, outputs=[label, info],
+        api_name=f"classify_{task}", **_miss_lane(engine, task),
+    )  # fmt: skip
+    event.then(badge_text, inputs=info, outputs=badge, api_visibility="private", queue=False)
+
+
 def build_demo(
     engine: InferenceEngine,
     *,
     max_upload_bytes: int,
     admin_tab: Callable[[], None] | None = None,
 ) -> gr.Blocks:
+    """A tab per served task (MODELS_CONFIG order), then How it works and the Admin tab."""
     callbacks = make_callbacks(engine, max_upload_bytes=max_upload_bytes)
-    image_model = engine.models.get("image")
-    text_model = engine.models.get("text")
     state = engine.cache_state()
     notice = state["l2"].get("notice")
 
     with gr.Blocks(title="Inference cache") as demo:
         gr.Markdown(
             "# Inference result cache\n"
-            "Classify a photo or a support message. Repeats are answered from memory or "
+            "Classify a photo or a message. Repeats are answered from memory or "
             "Redis in well under a millisecond instead of re-running the network."
         )
         if notice:
             gr.Markdown(f"> **Cache notice:** {notice}", elem_id="cache-notice")
         with gr.Tabs():
-            with gr.Tab("Image", id="image"):
-                with gr.Row():
-                    with gr.Column():
-                        image_in = UploadedImage(
-                            label="Photo", type="filepath", sources=["upload", "webcam", "clipboard"],
-                            elem_id="image-input",
-                        )  # fmt: skip
-                        image_btn = gr.Button("Classify image", variant="primary", elem_id="image-submit")
-                    with gr.Column():
-                        image_badge = gr.Markdown(elem_id="image-badge")
-                        image_label = gr.Label(num_top_classes=5, label="Top classes", elem_id="image-label")
-                        image_info = gr.JSON(label="cache_info", elem_id="image-info")
-                        if image_model is not None:
-                            gr.Markdown(f"<small>{image_model.name} · version `{image_model.version}` · "
-                                        f"{image_model.device}</small>")  # fmt: skip
-                photos = example_photos()
-                if photos:
-                    gr.Examples(examples=[str(p) for p in photos], inputs=image_in)
-                image_event = image_btn.click(
-                    callbacks["classify_image"], inputs=image_in, outputs=[image_label, image_info],
-                    api_name="classify_image", **_miss_lane(engine, "image"),
-                )  # fmt: skip
-                image_event.then(badge_text, inputs=image_info, outputs=image_badge,
-                                 api_visibility="private", queue=False)  # fmt: skip
-            with gr.Tab("Text", id="text"):
-                with gr.Row():
-                    with gr.Column():
-                        text_in = gr.Textbox(label="Support message", lines=3, elem_id="text-input")
-                        text_btn = gr.Button("Classify message", variant="primary", elem_id="text-submit")
-                        gr.Examples(examples=[[t] for t in TEXT_EXAMPLES], inputs=text_in)
-                    with gr.Column():
-                        text_badge = gr.Markdown(elem_id="text-badge")
-                        text_label = gr.Label(num_top_classes=5, label="Top intents", elem_id="text-label")
-                        text_info = gr.JSON(label="cache_info", elem_id="text-info")
-                        if text_model is not None:
-                            intents = ", ".join(getattr(text_model, "intent_names", ()))
-                            gr.Markdown(f"<small>{text_model.name} · version `{text_model.version}` · "
-                                        f"{text_model.device}<br>Intents: {intents}</small>")  # fmt: skip
-                text_event = gr.on(
-                    [text_btn.click, text_in.submit], callbacks["classify_text"], inputs=text_in,
-                    outputs=[text_label, text_info], api_name="classify_text", **_miss_lane(engine, "text"),
-                )  # fmt: skip
-                text_event.then(badge_text, inputs=text_info, outputs=text_badge,
-                                api_visibility="private", queue=False)  # fmt: skip
+            for task, model in engine.models.items():
+                with gr.Tab(_tab_title(task), id=task):
+                    make_tab = _image_tab if takes_image(model) else _text_tab
+                    make_tab(engine, task, model, callbacks[f"classify_{task}"])
             with gr.Tab("How it works", id="how"):
                 gr.Markdown(HOW_IT_WORKS)
                 live = gr.Markdown(elem_id="live-stats")

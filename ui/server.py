@@ -19,6 +19,7 @@ from starlette.routing import Mount
 from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
 from api import DirectInfer, build_oip_router, oip_body_limit
+from engine.models.base import takes_image
 from settings import Settings
 from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos, read_upload
@@ -98,7 +99,7 @@ def _cached_call_apis(demo: gr.Blocks, engine: Any, max_upload_bytes: int) -> di
         task = (fn.api_name or "").removeprefix("classify_")
         model = engine.models.get(task)
         if model is not None and fn.api_name == f"classify_{task}":
-            raw_input = text if getattr(model, "cheap_canonicalize", False) else upload
+            raw_input = upload if takes_image(model) else text
             apis[fn.api_name] = CachedApi(task, list(fn.outputs), raw_input)
     return apis
 

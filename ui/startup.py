@@ -26,6 +26,7 @@ from starlette.routing import Mount
 from admin.auth import AdminAuth
 from admin.metrics import Metrics
 from admin.service import AdminService
+from engine.errors import ModelLoadError
 from engine.service import InferenceEngine
 from settings import Settings
 from ui.asgi import Receive, Scope, Send, respond
@@ -145,6 +146,11 @@ class ServingApp:
             self._direct = tuple(getattr(app.state, "direct_routes", ()))
             self._app = app
             log.info("ready: serving on port %s", self._settings.port)
+        except ModelLoadError as exc:  # a model that cannot load: the message names it (engine.models)
+            log.error("start-up failed: %s", exc)
+            self.failure = exc
+            if self._on_failure is not None:
+                self._on_failure(exc)
         except Exception as exc:
             log.exception("start-up failed")
             self.failure = exc

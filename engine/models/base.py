@@ -54,3 +54,12 @@ class Classifier(Protocol):
 
     def predict_batch(self, inputs: Sequence[Any]) -> list[Prediction]:
         """Classify canonical inputs; one Prediction per input, same order."""
+
+
+def takes_image(model: object) -> bool:
+    """Whether a model takes an image file (else a message): config-defined models and the
+    built-ins name their `kind`; a model without one is known by its task."""
+    kind = getattr(model, "kind", None)
+    if isinstance(kind, str):
+        return kind.startswith("image")
+    return getattr(model, "task", None) == "image"

@@ -67,6 +67,8 @@ class ImageClassifier:
     """Top-5 ImageNet classes for an uploaded image."""
 
     task = "image"
+    kind = "image-classification"
+    top_k = TOP_K  # MODELS_CONFIG may set it (engine.models.loader)
     name = "efficientnet-lite0"
     cheap_canonicalize = False  # decoding is real work: never in the queue's pre-check
 
@@ -149,7 +151,7 @@ class ImageClassifier:
         with torch.inference_mode():
             logits = self._model(batch.to(self._torch_device, dtype=self._dtype))
             probs = torch.softmax(logits.float(), dim=1)
-            top = torch.topk(probs, TOP_K, dim=1)
+            top = torch.topk(probs, min(self.top_k, probs.shape[1]), dim=1)
         scores = top.values.cpu().tolist()
         indices = top.indices.cpu().tolist()
         return [

@@ -68,6 +68,8 @@ class TextClassifier:
     """Top-5 support intents for a short message."""
 
     task = "text"
+    kind = "text-classification"
+    top_k = TOP_K  # MODELS_CONFIG may set it (engine.models.loader)
     name = "all-MiniLM-L6-v2-intents"
     cheap_canonicalize = True  # microseconds: fine to do in the queue's pre-check
     # Concurrent misses share a forward pass: its per-call cost is large (engine.batching).
@@ -141,7 +143,7 @@ class TextClassifier:
             return []
         embeddings = self._embed([item.text for item in inputs])
         probs = torch.softmax(embeddings @ self._centroids.T / self.intents.temperature, dim=1)
-        k = min(TOP_K, probs.shape[1])
+        k = min(self.top_k, probs.shape[1])
         top = torch.topk(probs, k, dim=1)
         names = self.intents.names
         return [

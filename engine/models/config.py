@@ -1,0 +1,145 @@
+"""MODELS_CONFIG: which models this app serves, one entry per task.
+
+    models:
+      - task: sentiment                 # classify_sentiment, REST model "sentiment", a UI tab
+        kind: text-classification       # or image-classification
+        source: transformers            # a local folder written by save_pretrained
+        path: /data/models/sentiment
+        device: cpu                     # optional: auto | cpu | cuda (default: DEVICE)
+        max_batch: 8                    # optional: inputs per forward pass (1: no batching)
+        top_k: 3                        # optional: classes per answer (default 5)
+        ttl_s: 3600                     # optional: L2 TTL of its answers (default CACHE_TTL_S)
+      - task: image
+        kind: image-classification
+        source: builtin:efficientnet-lite0   # builtin:minilm-intents is the text one
+
+A bad entry fails start-up with a message naming it (its index and task), never later.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.errors import ModelLoadError
+
+KINDS = ("text-classification", "image-classification")
+BUILTINS = {
+    "builtin:efficientnet-lite0": "image-classification",
+    "builtin:minilm-intents": "text-classification",
+}
+SOURCES = ("transformers", *BUILTINS)
+DEVICES = ("auto", "cpu", "cuda")
+# A task becomes an API name (classify_<task>), a URL segment and a Redis key part:
+# lower-case letters, digits, '_' and '-', and never ':' (the key separator).
+TASK_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
+_KEYS = {"task", "kind", "source", "path", "device", "max_batch", "top_k", "ttl_s"}
+
+
+class ModelConfigError(ModelLoadError):
+    """MODELS_CONFIG (or one of its entries) cannot be served; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model. `path` only for source transformers; None options take the app's defaults."""
+
+    task: str
+    kind: str
+    source: str
+    path: Path | None = None
+    device: str | None = None
+    max_batch: int | None = None
+    top_k: int | None = None
+    ttl_s: int | None = None
+
+    @property
+    def builtin(self) -> bool:
+        return self.source in BUILTINS
+
+    def label(self, index: int | None = None) -> str:
+        """How error messages name the entry."""
+        where = f"entry {index + 1}" if index is not None else "entry"
+        return f"MODELS_CONFIG {where} (task {self.task!r})"
+
+
+DEFAULT_SPECS = (
+    ModelSpec(task="image", kind="image-classification", source="builtin:efficientnet-lite0"),
+    ModelSpec(task="text", kind="text-classification", source="builtin:minilm-intents"),
+)
+
+
+def load_config(path: Path) -> tuple[ModelSpec, ...]:
+    """Read and check a MODELS_CONFIG file (raises ModelConfigError naming what is wrong)."""
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelConfigError(f"MODELS_CONFIG {path} cannot be read: {exc.strerror or exc}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"MODELS_CONFIG {path} is not valid YAML: {exc}") from None
+    entries = doc.get("models") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ModelConfigError(f"MODELS_CONFIG {path} needs a non-empty list under 'models:'")
+    base = path.resolve().parent
+    specs: list[ModelSpec] = []
+    for index, entry in enumerate(entries):
+        spec = parse_entry(entry, index, base=base)
+        if any(s.task == spec.task for s in specs):
+            raise ModelConfigError(f"{spec.label(index)}: task {spec.task!r} is defined twice")
+        specs.append(spec)
+    return tuple(specs)
+
+
+def parse_entry(entry: Any, index: int, *, base: Path) -> ModelSpec:
+    where = f"MODELS_CONFIG entry {index + 1}"
+    if not isinstance(entry, dict):
+        raise ModelConfigError(f"{where}: expected a mapping with task, kind and source")
+    task = entry.get("task")
+    if not isinstance(task, str) or not TASK_NAME.match(task):
+        raise ModelConfigError(
+            f"{where}: task {task!r} must be 1-40 lower-case letters, digits, '_' or '-', "
+            "starting with a letter"
+        )
+    where = f"{where} (task {task!r})"
+    unknown = set(entry) - _KEYS
+    if unknown:
+        raise ModelConfigError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+    kind, source = entry.get("kind"), entry.get("source")
+    if kind not in KINDS:
+        raise ModelConfigError(f"{where}: unknown kind {kind!r} (use {' or '.join(KINDS)})")
+    if source not in SOURCES:
+        raise ModelConfigError(f"{where}: unknown source {source!r} (use {', '.join(SOURCES)})")
+    if source in BUILTINS and BUILTINS[source] != kind:
+        raise ModelConfigError(f"{where}: {source} is an {BUILTINS[source]} model, not {kind}")
+    path: Path | None = None
+    if source == "transformers":
+        raw_path = entry.get("path")
+        if not isinstance(raw_path, str) or not raw_path.strip():
+            raise ModelConfigError(f"{where}: source transformers needs 'path' (a save_pretrained folder)")
+        path = Path(raw_path).expanduser()
+        path = path if path.is_absolute() else base / path  # relative to the config file
+        if not (path / "config.json").is_file():
+            raise ModelConfigError(f"{where}: no model folder at {path} (config.json not found)")
+    elif "path" in entry:
+        raise ModelConfigError(f"{where}: 'path' is only for source transformers")
+    device = entry.get("device")
+    if device is not None and device not in DEVICES:
+        raise ModelConfigError(f"{where}: device {device!r} must be one of {', '.join(DEVICES)}")
+    return ModelSpec(
+        task=task, kind=kind, source=source, path=path, device=device,
+        max_batch=_positive(entry, "max_batch", where), top_k=_positive(entry, "top_k", where),
+        ttl_s=_positive(entry, "ttl_s", where),
+    )  # fmt: skip
+
+
+def _positive(entry: dict[str, Any], name: str, where: str) -> int | None:
+    value = entry.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelConfigError(f"{where}: {name} must be a positive integer, not {value!r}")
+    return value

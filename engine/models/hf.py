@@ -1,0 +1,198 @@
+"""A user's own Hugging Face classifier, from a folder written by `save_pretrained`.
+
+Text: `AutoModelForSequenceClassification` + `AutoTokenizer`; image:
+`AutoModelForImageClassification` + `AutoImageProcessor`; class names from `id2label`;
+local files only (nothing is downloaded).
+
+The served answer must be what the model itself gives for the input, so canonicalisation
+never changes what the model sees:
+- text: the key hashes the token ids the tokenizer makes of the message as typed (the
+  model's whole input). Two messages share an entry exactly when the model cannot tell
+  them apart: case folds only where the tokenizer is uncased, spacing only where the
+  tokenizer ignores it.
+- image: decoded and EXIF-oriented RGB pixels as for the built-in model (engine.inputs),
+  then the model's own image processor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import InvalidInputError, ModelError, ModelLoadError
+from engine.inputs import CanonicalImage, canonicalize_image
+from engine.models.base import TOP_K, Prediction
+from engine.models.device import describe, select_device
+
+log = logging.getLogger(__name__)
+
+# Files that never change what the model computes (docs, training leftovers).
+_IGNORED = {"README.md", "training_args.bin", ".gitattributes"}
+_DEFAULT_MAX_TOKENS = 512  # when neither the tokenizer nor the config says
+
+
+def folder_digest(folder: Path, *extra: str) -> str:
+    """sha256 over every file in the folder (names and bytes, sorted) and the serving settings."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        if name in _IGNORED or name.startswith("."):
+            continue
+        digest.update(name.encode() + b"\0")
+        digest.update(path.read_bytes())
+    digest.update("|".join(extra).encode())
+    return digest.hexdigest()[:16]
+
+
+def _labels(config: Any, count: int, folder: Path) -> tuple[str, ...]:
+    id2label = getattr(config, "id2label", None) or {}
+    names = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(count))
+    if len(set(names)) != len(names):
+        raise ModelLoadError(f"{folder}: id2label has duplicate class names")
+    return names
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    """A message as typed and the token ids the model sees for it (what the key hashes)."""
+
+    text: str
+    ids: tuple[int, ...]
+
+    def fingerprint_parts(self) -> tuple[bytes, bytes]:
+        return b"tokens:", np.asarray(self.ids, dtype=np.int64).tobytes()
+
+
+class _Base:
+    kind: str
+    name: str
+    version: str
+    device: str
+
+    def __init__(self, *, task: str, folder: Path, device: str, top_k: int | None,
+                 max_batch: int | None, ttl_s: int | None) -> None:  # fmt: skip
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"no model folder at {folder} (config.json not found)")
+        self.task = task
+        self.folder = folder
+        self.name = folder.name
+        self._torch_device = select_device(device)
+        self.device = describe(self._torch_device)
+        self.top_k = top_k or TOP_K
+        self.max_batch = max_batch
+        self.ttl_s = ttl_s
+
+    def _finish_load(self, model: torch.nn.Module) -> None:
+        self._model = model.eval().to(self._torch_device)
+        count = int(getattr(model.config, "num_labels", 0) or 0)
+        if count < 1:
+            raise ModelLoadError(f"{self.folder}: the model has no classes (num_labels)")
+        self.labels = _labels(model.config, count, self.folder)
+        self.version = folder_digest(self.folder, self.kind, f"top_k={self.top_k}", "fp32")
+
+    def _top(self, logits: torch.Tensor) -> list[Prediction]:
+        probs = torch.softmax(logits.float(), dim=1)
+        top = torch.topk(probs, min(self.top_k, probs.shape[1]), dim=1)
+        return [
+            Prediction(tuple((self.labels[i], float(s)) for i, s in zip(row_i, row_s, strict=True)))
+            for row_i, row_s in zip(top.indices.cpu().tolist(), top.values.cpu().tolist(), strict=True)
+        ]
+
+    def _check_serving(self) -> None:
+        if self._model.training:
+            raise ModelError("refusing to serve a model in training mode")
+
+
+class HFTextClassifier(_Base):
+    kind = "text-classification"
+    cheap_canonicalize = True  # a fast tokenizer: tens of microseconds
+    batch_misses = True
+
+    def __init__(self, *, task: str, folder: Path, device: str = "auto", max_text_chars: int,
+                 top_k: int | None = None, max_batch: int | None = None,
+                 ttl_s: int | None = None) -> None:  # fmt: skip
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        super().__init__(
+            task=task, folder=folder, device=device, top_k=top_k, max_batch=max_batch, ttl_s=ttl_s
+        )
+        self._max_text_chars = max_text_chars
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            model = AutoModelForSequenceClassification.from_pretrained(str(folder), local_files_only=True)
+        except Exception as exc:  # transformers raises many types for a broken folder
+            raise ModelLoadError(f"{folder}: cannot load a text classifier: {exc}") from exc
+        limits = [getattr(self._tokenizer, "model_max_length", None),
+                  getattr(model.config, "max_position_embeddings", None)]  # fmt: skip
+        usable = [n for n in limits if isinstance(n, int) and 0 < n < 1_000_000]
+        self._max_tokens = min(usable) if usable else _DEFAULT_MAX_TOKENS
+        self._finish_load(model)
+        log.info("loaded %s (%s) %s on %s", self.task, self.folder, self.version, self.device)
+
+    def canonicalize(self, raw: Any) -> TokenizedText:
+        if not isinstance(raw, str):
+            raise InvalidInputError("not_text", "Please type a message.")
+        if not raw.strip():
+            raise InvalidInputError("empty_text", "Please type a message.")
+        if len(raw) > self._max_text_chars:
+            raise InvalidInputError(
+                "text_too_long",
+                f"The message has {len(raw):,} characters; the limit is {self._max_text_chars:,}.",
+            )
+        ids = self._tokenizer(raw, truncation=True, max_length=self._max_tokens)["input_ids"]
+        return TokenizedText(raw, tuple(int(i) for i in ids))
+
+    def predict_batch(self, inputs: Sequence[TokenizedText]) -> list[Prediction]:
+        self._check_serving()
+        if not inputs:
+            return []
+        encoded = self._tokenizer(
+            [item.text for item in inputs], padding=True, truncation=True, max_length=self._max_tokens,
+            return_tensors="pt",
+        ).to(self._torch_device)  # fmt: skip
+        with torch.inference_mode():
+            return self._top(self._model(**encoded).logits)
+
+
+class HFImageClassifier(_Base):
+    kind = "image-classification"
+    cheap_canonicalize = False  # decoding is real work
+
+    def __init__(self, *, task: str, folder: Path, device: str = "auto", max_upload_bytes: int,
+                 max_image_pixels: int, top_k: int | None = None, max_batch: int | None = None,
+                 ttl_s: int | None = None) -> None:  # fmt: skip
+        from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+        super().__init__(
+            task=task, folder=folder, device=device, top_k=top_k, max_batch=max_batch, ttl_s=ttl_s
+        )
+        self.batch_misses = self._torch_device.type == "cuda"  # as the built-in (engine.batching)
+        self._max_upload_bytes = max_upload_bytes
+        self._max_image_pixels = max_image_pixels
+        try:
+            self._processor = AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+            model = AutoModelForImageClassification.from_pretrained(str(folder), local_files_only=True)
+        except Exception as exc:
+            raise ModelLoadError(f"{folder}: cannot load an image classifier: {exc}") from exc
+        self._finish_load(model)
+        log.info("loaded %s (%s) %s on %s", self.task, self.folder, self.version, self.device)
+
+    def canonicalize(self, raw: Any) -> CanonicalImage:
+        return canonicalize_image(raw, max_bytes=self._max_upload_bytes, max_pixels=self._max_image_pixels)
+
+    def predict_batch(self, inputs: Sequence[CanonicalImage]) -> list[Prediction]:
+        self._check_serving()
+        if not inputs:
+            return []
+        pixels = self._processor(images=[image.pixels for image in inputs], return_tensors="pt")[
+            "pixel_values"
+        ]
+        with torch.inference_mode():
+            return self._top(self._model(pixel_values=pixels.to(self._torch_device)).logits)

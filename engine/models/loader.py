@@ -1,0 +1,111 @@
+"""Loads the models MODELS_CONFIG names (engine.models.config), each checked with one
+forward pass; the composition root loads them at start-up and a live reload (engine.lifecycle)
+loads one again. Every failure names the entry."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.errors import ModelLoadError
+from engine.inputs import CanonicalImage
+from engine.models.base import TOP_K, Classifier
+from engine.models.config import ModelConfigError, ModelSpec
+
+log = logging.getLogger(__name__)
+
+CHECK_TEXT = "Hello, is this thing on?"
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """The app-wide defaults and input limits (from Settings) a model is built with."""
+
+    device: str = "auto"
+    half_precision: bool = False
+    max_upload_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    max_text_chars: int = 2000
+
+
+def build_model(spec: ModelSpec, options: LoadOptions) -> Classifier:
+    """Load one model and check it with a forward pass (raises ModelLoadError naming the entry)."""
+    try:
+        model = _construct(spec, options)
+        check_model(model)
+    except ModelConfigError:
+        raise
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{spec.label()}: {exc}") from exc
+    except Exception as exc:  # any failure of a user's files is a load failure, named
+        log.warning("loading %s failed", spec.label(), exc_info=True)
+        raise ModelLoadError(f"{spec.label()}: {type(exc).__name__}: {exc}") from exc
+    return model
+
+
+def load_all(specs: Sequence[ModelSpec], options: LoadOptions) -> dict[str, Classifier]:
+    models: dict[str, Classifier] = {}
+    for index, spec in enumerate(specs):
+        try:
+            models[spec.task] = build_model(spec, options)
+        except ModelLoadError as exc:
+            # Re-labelled with the entry's position: the message says which line to fix.
+            message = str(exc).replace(spec.label(), spec.label(index), 1)
+            raise ModelConfigError(message) from exc
+    return models
+
+
+def check_model(model: Classifier) -> None:
+    """One forward pass on a neutral input: a model that cannot answer is never served."""
+    kind = getattr(model, "kind", "")
+    if kind.startswith("image"):
+        sample = CanonicalImage(np.full((64, 64, 3), 127, dtype=np.uint8))
+    else:
+        sample = model.canonicalize(CHECK_TEXT)
+    answers = model.predict_batch([sample])
+    if len(answers) != 1 or not answers[0].labels:
+        raise ModelLoadError("the check pass gave no answer")
+    scores = [score for _, score in answers[0].labels]
+    if not all(math.isfinite(s) and 0.0 <= s <= 1.0 + 1e-6 for s in scores):
+        raise ModelLoadError(f"the check pass gave scores outside [0, 1]: {scores}")
+
+
+def _construct(spec: ModelSpec, options: LoadOptions) -> Classifier:
+    device = spec.device or options.device
+    if spec.source == "transformers":
+        from engine.models.hf import HFImageClassifier, HFTextClassifier
+
+        assert spec.path is not None  # checked by the config
+        common = {"task": spec.task, "folder": spec.path, "device": device, "top_k": spec.top_k,
+                  "max_batch": spec.max_batch, "ttl_s": spec.ttl_s}  # fmt: skip
+        if spec.kind == "image-classification":
+            return HFImageClassifier(
+                max_upload_bytes=options.max_upload_bytes, max_image_pixels=options.max_image_pixels, **common
+            )
+        return HFTextClassifier(max_text_chars=options.max_text_chars, **common)
+    model: Classifier
+    if spec.source == "builtin:efficientnet-lite0":
+        from engine.models.image import ImageClassifier
+
+        model = ImageClassifier(
+            device=device, half_precision=options.half_precision,
+            max_upload_bytes=options.max_upload_bytes, max_image_pixels=options.max_image_pixels,
+        )  # fmt: skip
+    else:
+        from engine.models.text import TextClassifier
+
+        model = TextClassifier(device=device, max_text_chars=options.max_text_chars)
+    # The built-ins take their serving options as attributes; a top_k other than the default
+    # changes the answers, so it changes the version too (the default keeps today's version).
+    model.task = spec.task
+    model.max_batch = spec.max_batch  # type: ignore[attr-defined]
+    model.ttl_s = spec.ttl_s  # type: ignore[attr-defined]
+    if spec.top_k is not None and spec.top_k != TOP_K:
+        model.top_k = spec.top_k  # type: ignore[attr-defined]
+        model.version = hashlib.sha256(f"{model.version}|top_k={spec.top_k}".encode()).hexdigest()[:16]
+    return model
