@@ -133,7 +133,9 @@ class EmbeddedRedis:
         deadline = time.monotonic() + self._startup_timeout_s
         while time.monotonic() < deadline:
             self._check_alive()
-            if answers_ping(host="127.0.0.1", port=self._port):
+            # Ours, not another process's server that took the port first (a race between
+            # free_port() callers): then ours exits, and `_check_alive` says why.
+            if answers_ping(host="127.0.0.1", port=self._port, pid=self._process.pid):
                 log.info("started redis-server (pid %s) on 127.0.0.1:%s", self._process.pid, self._port)
                 return self.url
             time.sleep(0.02)
@@ -206,10 +208,13 @@ class EmbeddedRedis:
         self.close()
 
 
-def answers_ping(**where: object) -> bool:
-    """True when a Redis at `where` (host/port or unix_socket_path) answers PING quickly."""
+def answers_ping(*, pid: int | None = None, **where: object) -> bool:
+    """True when a Redis at `where` (host/port or unix_socket_path) answers PING quickly
+    (and, given `pid`, is that process)."""
     client = redis.Redis(**where, socket_timeout=0.2, socket_connect_timeout=0.2)  # type: ignore[arg-type]
     try:
+        if pid is not None and int(client.info("server").get("process_id", -1)) != pid:
+            return False
         return bool(client.ping())
     except (redis.RedisError, OSError):
         return False
