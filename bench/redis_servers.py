@@ -57,9 +57,13 @@ def free_ports(count: int, *, below: int = MAX_CLUSTER_PORT) -> list[int]:
     return ports
 
 
-def _ping(port: int) -> bool:
+def _ping(port: int, pid: int | None = None) -> bool:
+    """The server on `port` answers (and, given `pid`, is that process: not another
+    process's server that took the port first)."""
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.3, socket_connect_timeout=0.3)
     try:
+        if pid is not None and int(client.info("server").get("process_id", -1)) != pid:
+            return False
         return bool(client.ping())
     except (redis.RedisError, OSError):
         return False
@@ -94,6 +98,11 @@ class _Servers:
 
     def restart(self, port: int) -> None:
         self.spawn(port, self.args[port])
+
+    def answers(self, port: int) -> bool:
+        """Our server on `port` is up (not another process's that took the port first)."""
+        process = self.processes.get(port)
+        return process is not None and _ping(port, process.pid)
 
     def signal(self, port: int, sig: signal.Signals) -> None:
         process = self.processes.get(port)
@@ -156,7 +165,7 @@ class LocalCluster:
                     "--cluster-require-full-coverage", "no",
                 ])  # fmt: skip
             for port in self.ports:
-                _wait(lambda p=port: _ping(p), 10, f"cluster node {port} did not answer")
+                _wait(lambda p=port: self._servers.answers(p), 10, f"cluster node {port} did not answer")
             created = subprocess.run(
                 [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                  "--cluster-replicas", "0", "--cluster-yes"],
@@ -213,7 +222,7 @@ class LocalCluster:
     def restart(self, port: int) -> None:
         """Start a killed node again with its nodes.conf: it rejoins with its slots (empty)."""
         self._servers.restart(port)
-        _wait(lambda: _ping(port), 10, f"cluster node {port} did not come back")
+        _wait(lambda: self._servers.answers(port), 10, f"cluster node {port} did not come back")
         _wait(self._ok, 20, "the cluster did not heal")
 
     def close(self) -> None:
@@ -250,7 +259,7 @@ class LocalSentinel:
                 "--replicaof", "127.0.0.1", str(self.primary_port),
             ])  # fmt: skip
             for port in (self.primary_port, self.replica_port):
-                _wait(lambda p=port: _ping(p), 10, f"redis-server {port} did not answer")
+                _wait(lambda p=port: self._servers.answers(p), 10, f"redis-server {port} did not answer")
             _wait(self._replica_synced, 15, "the replica did not sync")
             conf = self._servers.dir / "sentinel.conf"
             conf.write_text(

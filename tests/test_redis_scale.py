@@ -388,9 +388,13 @@ def test_sentinel_failover_is_followed_without_a_restart(
             text = f"after the failover {i}"
             first.engine.classify("text", text)
             shared = second.engine.classify("text", text)
-            if shared.tier == "l2" and primary.exists(shared.key):
+            on_new = bool(primary.exists(shared.key))
+            if shared.tier == "l2" and on_new:
                 break
-            assert time.monotonic() < deadline, "L2 was not shared through the new primary within 15 s"
+            assert time.monotonic() < deadline, (
+                f"L2 not shared through the new primary within 15 s: last answer {shared.tier}, on the new "
+                f"primary {on_new}, stores {[rt.engine.l2_store().stats() for rt in (first, second)]}"
+            )
             time.sleep(0.1)
         generation = first.engine.bump_generation()
         # At least the bump (a replica may lift a value the old primary lost, never lower it).
