@@ -27,6 +27,8 @@ from storage.redis_cluster import TOPOLOGY_REFRESH_MIN_S
 from storage.redis_store import RedisStore
 from tests.conftest import CountingTextModel
 
+pytestmark = pytest.mark.redis
+
 
 @pytest.fixture(scope="module")
 def cluster(redis_binary: str) -> Iterator[LocalCluster]:
