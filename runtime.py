@@ -18,9 +18,10 @@ from engine.fleet import FleetMember
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.l1_gate import GatedMemoryStore, GenerationConfirmations
+from engine.lifecycle import ModelLifecycle
 from engine.models.base import Classifier
 from engine.models.config import DEFAULT_SPECS, ModelSpec, load_config
-from engine.models.loader import LoadOptions, load_all
+from engine.models.loader import LoadOptions, build_model, load_all
 from engine.service import CachePolicy, InferenceEngine
 from settings import Settings
 from storage.breaker import CircuitBreaker
@@ -70,6 +71,7 @@ class Runtime:
     log_writer: RequestLogWriter
     _stack: ExitStack = field(repr=False)
     fleet: FleetMember | None = None  # with Redis: this replica in the fleet (engine.fleet)
+    lifecycle: ModelLifecycle | None = None  # live model reloads (engine.lifecycle)
 
     def close(self) -> None:
         self._stack.close()
@@ -119,10 +121,17 @@ def build_runtime(
     *,
     models: Mapping[str, Classifier] | None = None,
     model_factory: ModelFactory = load_models,
+    model_loader: Callable[[str], Classifier] | None = None,
 ) -> Runtime:
+    """`model_loader(task)`: a live reload's fresh model (engine.lifecycle); by default the
+    task's MODELS_CONFIG entry loaded again, when the models came from the config."""
     stack = ExitStack()
     try:
         loaded = dict(models) if models is not None else dict(model_factory(settings))
+        if model_loader is None and models is None:
+            specs = {spec.task: spec for spec in model_specs(settings)}
+            options = load_options(settings)
+            model_loader = lambda task: build_model(specs[task], options)  # noqa: E731
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         l2_url, notice = _resolve_l2(settings, stack)
 
@@ -167,6 +176,7 @@ def build_runtime(
             shadow_sample_rate=settings.shadow_sample_rate, fleet_flight=flight,
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
+        lifecycle = ModelLifecycle(engine=engine, load=model_loader)
         if isinstance(generation, RedisGeneration):
             generation.start()
         stack.callback(generation.close)  # closed before the store it polls
@@ -181,6 +191,7 @@ def build_runtime(
             fleet.start()
             stack.callback(fleet.close)  # leaves the registry before the store closes
             engine.attach_fleet(fleet)
+            lifecycle.attach_fleet(fleet)  # a reload here reaches every replica
 
         db = make_engine(settings.effective_database_url)
         stack.callback(db.dispose)
@@ -193,11 +204,12 @@ def build_runtime(
         engine.add_listener(writer.submit)
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
-        admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet)
+        admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet,
+                             lifecycle=lifecycle)  # fmt: skip
         auth = AdminAuth(settings.admin_token or _generated_token())
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
-            log_writer=writer, _stack=stack, fleet=fleet,
+            log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle,
         )  # fmt: skip
     except BaseException:
         stack.close()

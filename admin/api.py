@@ -19,7 +19,8 @@ from admin.auth import AdminAuth, AuthOutcome, bearer_token
 from admin.metrics import Metrics
 from admin.service import AdminService, FleetUnavailableError, LogUnavailableError
 from admin.trust import entry_input
-from engine.errors import InvalidInputError
+from engine.errors import InvalidInputError, ModelLoadError
+from engine.lifecycle import ReloadBusyError
 from engine.service import InferenceEngine
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,28 @@ def build_router(
             return JSONResponse({"replicas": admin.replicas()})
         except FleetUnavailableError as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
+
+    @router.post("/admin/api/models/{task}/reload")
+    async def admin_reload(request: Request, task: str) -> JSONResponse:
+        """Load the task's model again from its source, check it, swap it in on every replica.
+        404 unknown task, 409 a reload already running, 422 the new files do not load or do not
+        pass the check (the old model keeps serving); 202 when some replica did not confirm."""
+        if (refused := authorize(request)) is not None:
+            return refused
+        note = (await json_body(request)).get("note")
+        try:
+            result = await asyncio.to_thread(
+                admin.reload_model, task, actor=actor(request), note=note if isinstance(note, str) else None
+            )
+        except InvalidInputError as exc:
+            return JSONResponse({"ok": False, "error": exc.message}, status_code=404)
+        except ReloadBusyError as exc:
+            return JSONResponse({"ok": False, "error": str(exc)}, status_code=409)
+        except ModelLoadError as exc:
+            log.warning("reload of %s refused: %s", task, exc)
+            body = {"ok": False, "error": f"{exc} (the old model keeps serving)"}
+            return JSONResponse(body, status_code=422)
+        return JSONResponse(result, status_code=_fleet_status(result))
 
     async def entry_call(request: Request, action: str) -> JSONResponse:
         if (refused := authorize(request)) is not None:

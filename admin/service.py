@@ -13,8 +13,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from admin import stats
 from admin.trust import shadow_report
-from engine.errors import CacheUnavailableError, InvalidInputError
+from engine.errors import CacheUnavailableError, InvalidInputError, ModelLoadError
 from engine.fleet import FleetAck, FleetMember
+from engine.lifecycle import ModelLifecycle, ReloadBusyError
 from engine.service import InferenceEngine, RequestRecord
 from storage.log_writer import RequestLogWriter
 from storage.sql import recent_audit, record_audit
@@ -47,7 +48,9 @@ class AdminService:
         clock: Callable[[], float] = time.time,
         fleet: FleetMember | None = None,
         replica_id: str | None = None,
+        lifecycle: ModelLifecycle | None = None,
     ) -> None:
+        self._lifecycle = lifecycle  # live model reloads (engine.lifecycle)
         self._replica_id = replica_id  # names this replica in the audit log
         self._engine = engine
         self._fleet = fleet  # None without a shared Redis: this replica is the whole fleet
@@ -96,6 +99,24 @@ class AdminService:
         self._audit("bump_version", {"note": note} if note else {}, result, actor)
         return result
 
+    def reload_model(self, task: str, *, actor: str, note: str | None = None) -> dict[str, Any]:
+        """Load `task`'s model again from its source and swap it in here and on every replica
+        (engine.lifecycle). Audited, failures too; raises InvalidInputError (unknown task),
+        ReloadBusyError or ModelLoadError (the old model keeps serving)."""
+        note = (note or "").strip()[:MAX_NOTE_CHARS]
+        params = {"task": task, **({"note": note} if note else {})}
+        if self._lifecycle is None:
+            raise ModelLoadError("model reloads are not available in this process")
+        try:
+            result = self._lifecycle.reload_fleet(task, note=note).as_dict()
+        except (InvalidInputError, ReloadBusyError, ModelLoadError) as exc:
+            self._audit("reload_model", params, {"ok": False, "error": str(exc)}, actor)
+            raise
+        if self._fleet is None:
+            result["fleet"] = FleetAck(confirmed=(self._replica_id or "this replica",)).as_dict()
+        self._audit("reload_model", params, result, actor)
+        return result
+
     def inspect(self, task: str, raw: Any) -> dict[str, Any]:
         """One entry as each tier holds it (engine.entries); changes nothing, not audited."""
         return asdict(self._engine.inspect(task, raw))
@@ -112,6 +133,11 @@ class AdminService:
 
     def tasks(self) -> list[str]:
         return list(self._engine.models)
+
+    def cache_state_models(self) -> dict[str, dict[str, Any]]:
+        """Per task: the model's name, version and device (no Redis call)."""
+        models = self._engine.models.items()
+        return {t: {"name": m.name, "version": m.version, "device": m.device} for t, m in models}
 
     def shadow_report(self) -> dict[str, Any]:
         return shadow_report(self._engine)

@@ -121,6 +121,7 @@ class FleetMember:
         self._pubsub: Any = None
         self._subscribe_after = 0.0
         self.missed_caught_up = 0  # epochs caught up from a poll (messages missed)
+        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {}  # add_handler
 
     # ---- life -----------------------------------------------------------------------
 
@@ -201,6 +202,24 @@ class FleetMember:
         self._publish({"op": "generation", "generation": generation})
         return self._await(lambda r: _number(r, "generation") >= generation)
 
+    def add_handler(self, op: str, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Another kind of fleet message (engine.lifecycle's model reload). The handler runs on
+        this member's thread, so it must return at once (long work goes to a thread of its own),
+        and it acknowledges by calling `beat_now()` when done."""
+        self._handlers[op] = handler
+
+    def beat_now(self) -> None:
+        """Write this replica's record now (an acknowledgement of work done off this thread)."""
+        self._beat()
+
+    def broadcast(self, message: dict[str, Any], *, satisfied: Callable[[dict[str, Any]], bool],
+                  timeout_s: float) -> FleetAck:  # fmt: skip
+        """Publish a message for the handlers of every replica (`add_handler`), already applied
+        here, and wait up to `timeout_s` for each live replica's record to satisfy `satisfied`."""
+        self._beat()
+        self._publish(message)
+        return self._await(satisfied, timeout_s=timeout_s)
+
     # ---- the thread -----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -271,6 +290,12 @@ class FleetMember:
             self._confirmations.confirm()  # Redis had it when the message was sent
         elif op in ("flush", "evict"):
             self._apply_epoch(int(message["epoch"]), message)
+        elif op in self._handlers:
+            try:
+                self._handlers[op](message)
+            except Exception:  # a handler's failure must not stop this thread
+                log.exception("fleet handler for %r failed", op)
+            return  # the handler acknowledges when its work is done
         else:
             log.warning("ignoring a fleet message of unknown kind %r", op)
             return
@@ -372,9 +397,12 @@ class FleetMember:
         except CacheUnavailableError:
             pass  # the others catch up from the epoch or the generation at their next poll
 
-    def _await(self, satisfied: Callable[[dict[str, Any]], bool]) -> FleetAck:
+    def _await(
+        self, satisfied: Callable[[dict[str, Any]], bool], *, timeout_s: float | None = None
+    ) -> FleetAck:
+        timeout_s = self.ack_timeout_s if timeout_s is None else timeout_s
         started = self._clock()
-        deadline = started + self.ack_timeout_s
+        deadline = started + timeout_s
         expected: set[str] | None = None  # live when the action started
         delay = ACK_POLL_FIRST_S
         while True:
@@ -384,7 +412,7 @@ class FleetMember:
                 if self._clock() >= deadline:
                     waited = self._clock() - started
                     return FleetAck(error=f"acknowledgements unreadable: {exc}", waited_s=waited,
-                                    timeout_s=self.ack_timeout_s)  # fmt: skip
+                                    timeout_s=timeout_s)  # fmt: skip
             else:
                 live = {e.record["id"]: e.record for e in entries if e.live}
                 stopped = {e.record["id"] for e in entries if not e.live and e.record.get("stopped")}
@@ -396,7 +424,7 @@ class FleetMember:
                     left = expected - set(live) - stopped
                     lost = {e.record["id"] for e in entries if not e.live} - stopped - left
                     return FleetAck(confirmed, waiting, tuple(sorted(left)), tuple(sorted(lost)),
-                                    self._clock() - started, self.ack_timeout_s)  # fmt: skip
+                                    self._clock() - started, timeout_s)  # fmt: skip
             time.sleep(delay)
             delay = min(delay * 2, ACK_POLL_MAX_S)
 
