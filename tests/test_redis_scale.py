@@ -8,6 +8,7 @@ create`) and a primary + replica + Sentinel are started once per module
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -17,6 +18,7 @@ import redis
 from redis.crc import key_slot
 
 import tests.test_stores as store_contract
+from admin.tab import stat_cards
 from bench.redis_servers import LocalCluster, LocalSentinel
 from runtime import Runtime
 from settings import REDIS_URL_FORMS, Settings, SettingsError, parse_redis_url
@@ -282,6 +284,8 @@ def test_engine_on_a_cluster_shares_answers_generation_flush_and_node_counts(
     assert all(n["keys"] > 0 and n["breaker"] == "closed" for n in nodes), nodes
     # results, aliases, the generation key
     assert state["keys"] == sum(n["keys"] for n in nodes) >= 2 * len(texts) + 1
+    cards = stat_cards(first.admin.stats())  # the console's L2 card names each primary's count
+    assert all(re.search(rf"{re.escape(n['node'])}: [0-9,]+", cards) for n in nodes), cards
     before = second.engine.generation
     assert first.engine.bump_generation() == before + 1
     wait_for(lambda: second.engine.generation == before + 1, "the other engine to read the new generation")
