@@ -123,7 +123,10 @@ class BackgroundServer:
     """Runs the app in a thread (tests, benchmarks). `close()` stops it."""
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        # An open event stream (a gradio_client's heartbeat) must not hold close() for its
+        # whole join timeout: requests in flight get this long, then connections are dropped.
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=1)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self.url = f"http://{host}:{port}"
