@@ -309,8 +309,6 @@ class Settings:
     shadow_sample_rate: float = 0.01
     # A YAML file listing the served models (engine.models.config); None: the two built-ins.
     models_config: Path | None = None
-    # Canonical inputs of the hottest keys kept in Redis to recompute after a swap or bump (0: off).
-    warm_set_size: int = 0
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -368,5 +366,4 @@ class Settings:
             cache_signing_keys=_signing_keys(env),
             shadow_sample_rate=_rate(env, "SHADOW_SAMPLE_RATE", 0.01),
             models_config=_models_config(env),
-            warm_set_size=_int(env, "WARM_SET_SIZE", 0, minimum=0),
         )

@@ -14,11 +14,11 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from bench.tiny_models import IMAGE_LABELS, TEXT_LABELS, make_image_model, make_text_model, write_config
 from engine.models.config import DEFAULT_SPECS, ModelConfigError, load_config
 from engine.models.loader import LoadOptions, load_all
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings, SettingsError
-from tests.tiny_models import IMAGE_LABELS, TEXT_LABELS, make_image_model, make_text_model, write_config
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.tiny_models import make_text_model, write_config
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
 from storage.embedded_redis import EmbeddedRedis, free_port
 from tests.conftest import CountingTextModel
 from tests.test_model_config import assert_same, own_text_scores
-from tests.tiny_models import make_text_model, write_config
 
 TOKEN = "reload-operator-token"
 FAST = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.1, "generation_confirm_s": 0.5}
@@ -163,3 +163,15 @@ def test_a_reload_reaches_every_replica(
         and fresh.prediction != old.prediction
     )
     assert b.lifecycle is not None and b.lifecycle.remote_reloads == 1
+
+
+@pytest.mark.redis
+def test_fault_scenario_reload_under_load(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    """The fault suite's model_reload scenario, quick: no failed request, every answer the
+    model's own for the version it names, no old version after the acknowledgement."""
+    from bench.faults.scenarios_models import reload_under_load
+
+    report = reload_under_load(redis_server.url, tmp_path, prefix="reload-quick", load_s=1.0, threads=3)
+    assert report.failed == [] and report.wrong == [] and report.stale_after_ack == []
+    assert report.reload["changed"] and report.reload["fleet"]["complete"]
+    assert len(report.versions) == 2 and report.sent > 20, report.versions

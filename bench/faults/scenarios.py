@@ -17,6 +17,7 @@ from bench.faults.scenarios_fleet_ops import (
     lease_holder_killed,
 )
 from bench.faults.scenarios_input import malformed_inputs
+from bench.faults.scenarios_models import reload_under_load_scenario
 from bench.faults.scenarios_ops import admin_bruteforce, log_locked
 from bench.faults.scenarios_postgres import postgres_restarted
 from bench.faults.scenarios_redis import (
@@ -58,6 +59,8 @@ SCENARIOS = (
     Scenario("key_rotation", "Signing key rotated (new,old), then the old key retired", key_rotation),
     Scenario("planted_wrong_answer", "A signed wrong answer, shadow-checked", planted_wrong_answer),
     Scenario("generation_key_evicted", "The generation key evicted by Redis", generation_key_evicted),
+    Scenario("model_reload", "A model reloaded with new weights under load, two replicas",
+             reload_under_load_scenario),
     Scenario("single_flight", "200 concurrent requests for one new input", single_flight),
     Scenario("version_bump", "Cache version bump while two processes serve", version_bump),
     Scenario("fleet_flush_bump", "Flushes and bumps under load, acknowledged by both", fleet_flush_bump),

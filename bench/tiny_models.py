@@ -1,4 +1,4 @@
-"""Tiny randomly initialised Hugging Face classifiers the tests make and `save_pretrained` into a
+"""Tiny randomly initialised Hugging Face classifiers made here and `save_pretrained` into a
 folder (nothing downloaded): a 2-layer BERT with the MiniLM package's tokenizer, a tiny ViT with
 its own image processor. `seed` changes the weights, so a reload sees a new version."""
 
