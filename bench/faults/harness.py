@@ -296,10 +296,20 @@ class Context:
         """Our own connection to our own Redis (for faults and for looking at keys)."""
         return redis.Redis.from_url(self.redis_server.url, socket_timeout=5.0)
 
-    def admin(self, replica: int, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def admin(
+        self,
+        replica: int,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        accept: tuple[int, ...] = (200,),
+    ) -> Any:
+        """The admin API's answer; any status outside `accept` raises (202: a fleet action
+        some replica did not confirm, which a scenario must expect by name)."""
         with httpx.Client(base_url=self.apps[replica].url, timeout=30.0) as client:
             status, data = http_json(client, method, path, body=body)
-        if status != 200:
+        if status not in accept:
             raise RuntimeError(f"admin {method} {path} on {self.apps[replica].name}: {status} {data}")
         return data
 

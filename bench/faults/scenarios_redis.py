@@ -174,7 +174,12 @@ def redis_noeviction(run: Run) -> None:
         except redis.ResponseError as exc:  # redis-py turns "-OOM ..." into OutOfMemoryError
             refused = f"{type(exc).__name__}: {exc}"
     for replica in (0, 1):
-        ctx.admin(replica, "POST", "/admin/api/flush", {"tier": "l1"})  # reads must go to Redis
+        # Reads must go to Redis. Each replica empties its own L1; telling the fleet needs a
+        # Redis write, which is refused: the answer must say so (202), never pass in silence.
+        answer = ctx.admin(replica, "POST", "/admin/api/flush", {"tier": "l1"}, accept=(200, 202))
+        fleet = answer.get("fleet") or {}
+        said = fleet.get("complete") is False and "Redis" in str(fleet.get("error"))
+        run.check(f"flush on {ctx.apps[replica].name}: fleet not told, and said so", said, str(fleet))
     before = [read_metrics(app.url) for app in ctx.apps]
     started = time.monotonic()
     with run.load(warm + fresh, [0, 1]):
