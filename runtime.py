@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from admin.auth import AdminAuth, generate_token
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
+from engine.cleanup import Cleanup
 from engine.codec import ValueCodec
 from engine.fleet import FleetMember
 from engine.fleet_flight import FleetFlight
@@ -177,6 +178,9 @@ def build_runtime(
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
         lifecycle = ModelLifecycle(engine=engine, load=model_loader)
+        cleanup = Cleanup(l2, prefix=settings.cache_prefix, current=lambda: (
+            {task: model.version for task, model in engine.models.items()}, engine.generation))  # fmt: skip
+        stack.callback(cleanup.close)  # its job stops before the store closes
         if isinstance(generation, RedisGeneration):
             generation.start()
         stack.callback(generation.close)  # closed before the store it polls
@@ -205,7 +209,7 @@ def build_runtime(
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
         admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet,
-                             lifecycle=lifecycle)  # fmt: skip
+                             lifecycle=lifecycle, cleanup=cleanup)  # fmt: skip
         auth = AdminAuth(settings.admin_token or _generated_token())
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,

@@ -149,6 +149,38 @@ def build_router(
             return JSONResponse(body, status_code=422)
         return JSONResponse(result, status_code=_fleet_status(result))
 
+    @router.get("/admin/api/l2/versions")
+    def admin_l2_versions(request: Request) -> JSONResponse:
+        """L2 entries per task, model version and generation (a sampled estimate, `exact` when
+        the sample covered everything), with `current` false for those never read again."""
+        if (refused := authorize(request)) is not None:
+            return refused
+        try:
+            return JSONResponse(admin.l2_versions())
+        except InvalidInputError as exc:
+            return JSONResponse({"error": exc.message}, status_code=503)
+
+    @router.post("/admin/api/l2/cleanup")
+    async def admin_cleanup(request: Request) -> JSONResponse:
+        """Start counting (`{"dry_run": true}`, the default) or deleting the entries of old
+        versions and generations in the background: 202 with the progress; 409 while one runs."""
+        if (refused := authorize(request)) is not None:
+            return refused
+        dry_run = (await json_body(request)).get("dry_run", True) is not False
+        try:
+            progress = admin.start_cleanup(dry_run=dry_run, actor=actor(request))
+        except InvalidInputError as exc:
+            status = 409 if exc.code == "cleanup_running" else 503
+            return JSONResponse({"error": exc.message}, status_code=status)
+        return JSONResponse(progress, status_code=202)
+
+    @router.get("/admin/api/l2/cleanup")
+    def admin_cleanup_progress(request: Request) -> JSONResponse:
+        if (refused := authorize(request)) is not None:
+            return refused
+        progress = admin.cleanup_progress()
+        return JSONResponse(progress if progress is not None else {"state": "never run"})
+
     async def entry_call(request: Request, action: str) -> JSONResponse:
         if (refused := authorize(request)) is not None:
             return refused

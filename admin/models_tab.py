@@ -1,5 +1,6 @@
-"""The console's Models panel: each served model with its version, and a live reload
-(engine.lifecycle through AdminService.reload_model, audited, reaching every replica)."""
+"""The console's Models panel: each served model with its version, a live reload
+(engine.lifecycle through AdminService.reload_model, audited, reaching every replica), and the
+L2 entries of old versions (engine.cleanup): a sampled count, a dry run, a background deletion."""
 
 from __future__ import annotations
 
@@ -63,3 +64,75 @@ def build_models_panel(admin: AdminService, session: gr.State) -> None:
         result = gr.Markdown(elem_id="admin-reload-result")
     button.click(make_reload_callback(admin), inputs=[session, task, note], outputs=[result, table],
                  api_name="admin_reload", api_visibility="undocumented")  # fmt: skip
+    build_cleanup_panel(admin, session)
+
+
+CENSUS_HEADERS = ["task", "model version", "generation", "entries", "served now"]
+
+
+def cleanup_text(progress: dict[str, Any] | None) -> str:
+    if progress is None:
+        return "No clean-up has run on this replica yet."
+    what = "Counted (dry run)" if progress["dry_run"] else "Deleted"
+    done = progress["deleted"] if not progress["dry_run"] else progress["matched"]
+    line = (f"**{what}: {done:,}** old entries of {progress['scanned']:,} keys examined · "
+            f"{progress['primaries_done']}/{progress['primaries']} primaries · "
+            f"{progress['state']}")  # fmt: skip
+    return line + (f" · {progress['error']}" if progress.get("error") else "")
+
+
+def make_cleanup_callbacks(admin: AdminService) -> dict[str, Callable[..., Any]]:
+    def signed_in(session: str | None) -> str:
+        if not session:
+            raise gr.Error("Sign in with the admin token first.", print_exception=False)
+        return session
+
+    def census(session: str | None) -> tuple[list[list[Any]], str]:
+        signed_in(session)
+        try:
+            data = admin.l2_versions()
+        except InvalidInputError as exc:
+            raise gr.Error(exc.message, print_exception=False) from None
+        rows = [[r["task"], r["model_version"], r["generation"], r["entries"],
+                 "yes" if r["current"] else "no"] for r in data["rows"]]  # fmt: skip
+        how = "exact" if data["exact"] else f"estimated from {data['scanned']:,} sampled keys"
+        return rows, f"About **{data['old_estimate']:,}** entries of old versions or generations ({how})."
+
+    def start(session: str | None, dry_run: bool, confirmed: bool) -> str:
+        actor = signed_in(session)
+        if not dry_run and not confirmed:
+            raise gr.Error(
+                "Count first (dry run), then tick “I understand” to delete.", print_exception=False
+            )
+        try:
+            return cleanup_text(admin.start_cleanup(dry_run=dry_run, actor=actor))
+        except InvalidInputError as exc:
+            raise gr.Error(exc.message, print_exception=False) from None
+
+    def progress(session: str | None) -> str:
+        signed_in(session)
+        return cleanup_text(admin.cleanup_progress())
+
+    return {"census": census, "start": start, "progress": progress}
+
+
+def build_cleanup_panel(admin: AdminService, session: gr.State) -> None:
+    cb = make_cleanup_callbacks(admin)
+    private = {"api_visibility": "private"}
+    with gr.Accordion("Old versions in Redis", open=False, elem_id="admin-cleanup"):
+        census_btn = gr.Button("Count L2 entries by version", elem_id="admin-census")
+        census_table = gr.Dataframe(headers=CENSUS_HEADERS, interactive=False, elem_id="admin-census-table")
+        census_note = gr.Markdown(elem_id="admin-census-note")
+        with gr.Row():
+            dry_btn = gr.Button("Count old entries (dry run)", elem_id="admin-cleanup-dry")
+            confirm = gr.Checkbox(label="I understand: entries of old versions and generations are deleted",
+                                  elem_id="admin-cleanup-confirm")  # fmt: skip
+            delete_btn = gr.Button("Delete old entries", variant="stop", elem_id="admin-cleanup-delete")
+            progress_btn = gr.Button("Refresh progress", size="sm", elem_id="admin-cleanup-refresh")
+        progress = gr.Markdown(elem_id="admin-cleanup-progress")
+    census_btn.click(cb["census"], inputs=session, outputs=[census_table, census_note], **private)
+    dry_btn.click(lambda s: cb["start"](s, True, False), inputs=session, outputs=progress, **private)
+    delete_btn.click(
+        lambda s, c: cb["start"](s, False, c), inputs=[session, confirm], outputs=progress, **private
+    )
+    progress_btn.click(cb["progress"], inputs=session, outputs=progress, **private)

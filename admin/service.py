@@ -13,6 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from admin import stats
 from admin.trust import shadow_report
+from engine.cleanup import Cleanup
 from engine.errors import CacheUnavailableError, InvalidInputError, ModelLoadError
 from engine.fleet import FleetAck, FleetMember
 from engine.lifecycle import ModelLifecycle, ReloadBusyError
@@ -49,7 +50,9 @@ class AdminService:
         fleet: FleetMember | None = None,
         replica_id: str | None = None,
         lifecycle: ModelLifecycle | None = None,
+        cleanup: Cleanup | None = None,
     ) -> None:
+        self._cleanup = cleanup  # old versions in L2 (engine.cleanup)
         self._lifecycle = lifecycle  # live model reloads (engine.lifecycle)
         self._replica_id = replica_id  # names this replica in the audit log
         self._engine = engine
@@ -116,6 +119,29 @@ class AdminService:
             result["fleet"] = FleetAck(confirmed=(self._replica_id or "this replica",)).as_dict()
         self._audit("reload_model", params, result, actor)
         return result
+
+    def l2_versions(self) -> dict[str, Any]:
+        """L2 entries per (task, model version, generation), estimated from a sample."""
+        if self._cleanup is None:
+            raise InvalidInputError("no_l2", "L2 is disabled: there is nothing to count.")
+        try:
+            return self._cleanup.census()
+        except CacheUnavailableError as exc:
+            raise InvalidInputError("l2_unavailable", f"Redis did not answer: {exc}") from None
+
+    def start_cleanup(self, *, dry_run: bool, actor: str) -> dict[str, Any]:
+        """Count (dry run) or delete, in the background, the L2 entries of model versions not
+        served now and of older generations. A deletion is audited."""
+        if self._cleanup is None:
+            raise InvalidInputError("no_l2", "L2 is disabled: there is nothing to clean up.")
+        progress = self._cleanup.start(dry_run=dry_run)
+        if not dry_run:
+            self._audit("cleanup_l2", {"dry_run": False}, {"ok": True, "started_at": progress["started_at"]},
+                        actor)  # fmt: skip
+        return progress
+
+    def cleanup_progress(self) -> dict[str, Any] | None:
+        return self._cleanup.progress() if self._cleanup is not None else None
 
     def inspect(self, task: str, raw: Any) -> dict[str, Any]:
         """One entry as each tier holds it (engine.entries); changes nothing, not audited."""

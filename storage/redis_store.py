@@ -322,6 +322,50 @@ class RedisStore:
             )
         return removed
 
+    def scan_prefix(self, shard: str, *, count: int = SCAN_BATCH) -> Iterator[list[bytes]]:
+        """Batches of the keys under this store's prefix on one primary (SCAN, never KEYS):
+        for background work that goes at its own pace (engine.cleanup)."""
+        cursor: Any = 0
+        match = escape_glob(self._prefix) + ":*"
+        while True:
+            cursor, keys = self._call(
+                lambda c=cursor: self._nodes.node(shard).scan(cursor=c, match=match, count=count), shard
+            )
+            if keys:
+                yield keys
+            if int(cursor) == 0:
+                return
+
+    def sample_keys(self, shard: str, *, max_scanned: int) -> tuple[list[bytes], int, bool, int]:
+        """A sample of one primary's keys: (keys under this prefix, keys scanned, whether the
+        scan covered the whole keyspace, DBSIZE). SCAN walks the hash table in an order
+        unrelated to key names, so the first keys scanned are close to a random sample."""
+        node = self._nodes.node(shard)
+        total = int(self._call(node.dbsize, shard))
+        prefix = self._prefix.encode() + b":"
+        cursor: Any = 0
+        scanned, found = 0, []
+        while True:
+            cursor, keys = self._call(lambda c=cursor: node.scan(cursor=c, count=SCAN_BATCH), shard)
+            scanned += len(keys)
+            found.extend(k for k in keys if k.startswith(prefix))
+            if int(cursor) == 0:
+                return found, scanned, True, total
+            if scanned >= max_scanned:
+                return found, scanned, False, total
+
+    def unlink_keys(self, shard: str, keys: Sequence[bytes]) -> int:
+        """UNLINK keys that live on one primary (from `scan_prefix`); how many were removed."""
+        groups = self._nodes.unlink_groups(keys) if keys else []
+
+        def unlink() -> int:
+            with self._nodes.node(shard).pipeline(transaction=False) as pipe:
+                for group in groups:
+                    pipe.unlink(*group)
+                return sum(int(n) for n in pipe.execute())
+
+        return self._call(unlink, shard) if groups else 0
+
     def key_counts(self) -> dict[str, int | None]:
         """Keys under this store's prefix on each primary (None: it did not answer)."""
         match = escape_glob(self._prefix) + ":*"
