@@ -1,0 +1,116 @@
+"""Live p99 of L2 hits with and without a background clean-up of old versions (engine.cleanup),
+side by side in one run: `python -m bench.cleanup_p99 [--old 200000] [--seconds 5]`.
+
+A private redis-server holds `--old` entries of an old model version; an engine whose L1 keeps
+nothing (so every hit is an L2 round trip) answers a loop of cached messages from 4 threads.
+Phases: baseline, then the same load while the clean-up deletes the old entries at its default
+rate. Prints both p99s and their ratio (the target: at most 1.10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from engine.cleanup import CleanupJob
+from engine.generation import LocalGeneration
+from engine.inputs import CanonicalText, clean_text
+from engine.models.base import Prediction
+from engine.service import CachePolicy, InferenceEngine
+from storage.breaker import CircuitBreaker
+from storage.embedded_redis import EmbeddedRedis
+from storage.memory import MemoryStore
+from storage.redis_clients import make_nodes
+from storage.redis_store import RedisStore
+
+PREFIX = "bench-cleanup"
+
+
+class _Fixed:
+    task, name, device, kind, version = "text", "fixed", "cpu", "text-classification", "v-new"
+    cheap_canonicalize = True
+
+    def canonicalize(self, raw: object) -> CanonicalText:
+        return clean_text(raw, max_chars=200)
+
+    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
+        return [Prediction((("a", 0.75), ("b", 0.25))) for _ in inputs]
+
+
+def _load(engine: InferenceEngine, texts: list[str], seconds: float, threads: int = 4) -> list[float]:
+    stop = time.monotonic() + seconds
+    samples: list[float] = []
+    lock = threading.Lock()
+
+    def worker(index: int) -> None:
+        mine = []
+        n = index
+        while time.monotonic() < stop:
+            started = time.perf_counter()
+            engine.classify("text", texts[n % len(texts)])
+            mine.append((time.perf_counter() - started) * 1000.0)
+            n += threads
+        with lock:
+            samples.extend(mine)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", type=int, default=200_000, help="old entries to delete")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each phase")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(data_dir=Path(tmp), maxmemory_mb=1024) as server:
+        url = server.start()
+        store = RedisStore(make_nodes(url, socket_timeout_s=1.0), prefix=PREFIX,
+                           breaker=CircuitBreaker(failure_threshold=5, reset_s=1.0))  # fmt: skip
+        engine = InferenceEngine(
+            models={"text": _Fixed()}, l1=MemoryStore(max_bytes=0, default_ttl_s=1.0), l2=store,
+            generation=LocalGeneration(), policy=CachePolicy(prefix=PREFIX, l1_ttl_s=1.0, l2_ttl_s=3600,
+                                                             negative_ttl_s=60),
+        )  # fmt: skip
+        try:
+            client = store.client
+            with client.pipeline(transaction=False) as pipe:
+                for n in range(args.old):
+                    pipe.set(f"{PREFIX}:text:v-old:0:{n:032x}", b"old entry value " * 8, ex=3600)
+                    if n % 10_000 == 9_999:
+                        pipe.execute()
+                pipe.execute()
+            texts = [f"cached message {n}" for n in range(500)]
+            for text in texts:
+                engine.classify("text", text)
+            _load(engine, texts, 1.0)  # warm
+            baseline = _load(engine, texts, args.seconds)
+            job = CleanupJob(
+                store, prefix=PREFIX, current=lambda: ({"text": "v-new"}, 0), dry_run=False
+            ).start()
+            during = _load(engine, texts, args.seconds)
+            progress = job.snapshot()
+            job.cancel()
+            p99_base, p99_during = float(np.percentile(baseline, 99)), float(np.percentile(during, 99))
+            print(f"L2-hit p99 without clean-up: {p99_base:.3f} ms ({len(baseline)} requests)")
+            print(f"L2-hit p99 during clean-up:  {p99_during:.3f} ms ({len(during)} requests; "
+                  f"{progress['deleted']:,} old entries deleted meanwhile)")  # fmt: skip
+            print(f"ratio: {p99_during / p99_base:.3f} (target <= 1.10)")
+        finally:
+            engine.close()
+            store.close()
+
+
+if __name__ == "__main__":
+    main()
