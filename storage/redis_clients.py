@@ -16,7 +16,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from settings import RedisTarget, parse_redis_url
 from storage.redis_cluster import ClusterNodes, OneNode
@@ -87,6 +87,22 @@ def cluster_nodes(target: RedisTarget, *, socket_timeout_s: float, max_connectio
     return ClusterNodes(target.nodes, node_factory=node, cluster_factory=cluster)
 
 
+class _SentinelConnection(SentinelManagedConnection):
+    """redis-py's SentinelManagedConnection keeps a connection whose read failed: its
+    `read_response` defaults to `disconnect_on_error=False`. After a socket timeout the late
+    reply then stays on the pooled connection and the next command reads it as its own (a
+    GET answered with another key's value, an HGETALL with an integer; seen under load).
+    Dropped on error like every other connection, it cannot."""
+
+    def read_response(self, disable_decoding: bool = False, **kwargs: Any) -> Any:
+        kwargs.setdefault("disconnect_on_error", True)
+        return super().read_response(disable_decoding, **kwargs)
+
+
+class _SentinelSSLConnection(_SentinelConnection, redis.SSLConnection):
+    pass
+
+
 def sentinel_primary(target: RedisTarget, *, socket_timeout_s: float) -> tuple[redis.Redis, Sentinel]:
     """The primary these Sentinels name, followed across failovers: each new connection asks
     them where the primary is, and a connection to a demoted primary fails (READONLY ->
@@ -99,8 +115,9 @@ def sentinel_primary(target: RedisTarget, *, socket_timeout_s: float) -> tuple[r
     )
     assert target.service is not None
     primary = sentinel.master_for(
-        target.service, db=target.db, ssl=target.tls, retry=_retry(), **_credentials(target), **timeouts
-    )
+        target.service, db=target.db, ssl=target.tls, retry=_retry(), **_credentials(target), **timeouts,
+        connection_class=_SentinelSSLConnection if target.tls else _SentinelConnection,
+    )  # fmt: skip
     return primary, sentinel
 
 

@@ -375,6 +375,34 @@ def test_the_fleet_works_on_a_cluster_and_through_sentinel(
 # --- Sentinel ---------------------------------------------------------------------------
 
 
+def test_a_sentinel_connection_that_timed_out_never_serves_its_late_reply(sentinel: LocalSentinel) -> None:
+    """redis-py's Sentinel connections keep a connection whose read timed out; the next
+    command on it would read the late reply as its own (storage/redis_clients.py)."""
+    sentinel_store = RedisStore(make_nodes(sentinel.url, socket_timeout_s=0.25), prefix="contract",
+                                breaker=quick_breaker())  # fmt: skip
+    client = sentinel_store.client
+    client.set("contract:a", b"value of a")
+    client.set("contract:b", b"value of b")
+    host, port = client.connection_pool.get_master_address()
+    pauser = redis.Redis(host=host, port=port, socket_timeout=2)
+    try:
+        for _ in range(3):
+            pauser.execute_command("CLIENT", "PAUSE", 400, "ALL")  # longer than one timeout, not two
+            with pytest.raises(CacheUnavailableError):
+                sentinel_store.get("contract:a")  # times out at 0.25 s, its reply comes at 0.4 s
+            for _attempt in range(4):  # sent at once, on the same pool (a busy machine may time out)
+                try:
+                    value = client.get("contract:b")
+                    break
+                except redis.TimeoutError:
+                    continue
+            assert value == b"value of b", f"GET contract:b answered {value!r}"
+            time.sleep(0.3)
+    finally:
+        pauser.close()
+        sentinel_store.close()
+
+
 def test_sentinel_failover_is_followed_without_a_restart(
     make_runtime: Callable[..., Runtime], sentinel: LocalSentinel, base_settings: Settings
 ) -> None:
