@@ -122,6 +122,11 @@ class ValueCodec:
 
     def unseal(self, raw: bytes, *, key: str) -> bytes:
         """The payload, once its trailer verifies; raises ForgedValue / UndecodableValue."""
+        if not isinstance(raw, bytes | bytearray | memoryview):
+            # A reply of another type (an integer, a list) is never a value of ours: a
+            # connection that read another command's reply, say. Refused, not a crash.
+            raise UndecodableValue(f"not bytes: a {type(raw).__name__} reply")
+        raw = bytes(raw)
         if not self._keys:
             payload, checksum = raw[:-CHECKSUM_BYTES], raw[-CHECKSUM_BYTES:]
             if len(raw) <= CHECKSUM_BYTES or _checksum(key, payload) != checksum:

@@ -142,3 +142,12 @@ def test_replicas_with_different_keys_never_serve_each_others_values(
     writer.flush("l1")
     assert writer.classify("text", "refund please").tier == "miss"
     assert writer.counters().forged_values == 1
+
+
+@pytest.mark.parametrize("reply", [7, [b"a", b"b"], "text", None])
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "signed"])
+def test_a_reply_that_is_not_bytes_is_refused_as_undecodable(reply: object, signed: bool) -> None:
+    """A connection that read another command's reply hands the decoder an int or a list."""
+    codec = ValueCodec([b"k" * 32]) if signed else ValueCodec()
+    with pytest.raises(UndecodableValue, match="not bytes"):
+        codec.decode(reply, key="infcache:text:v:0:abc")  # type: ignore[arg-type]
