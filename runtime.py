@@ -24,6 +24,7 @@ from engine.models.base import Classifier
 from engine.models.config import DEFAULT_SPECS, ModelSpec, load_config
 from engine.models.loader import LoadOptions, build_model, load_all
 from engine.service import CachePolicy, InferenceEngine
+from engine.warmup import WarmSet
 from settings import Settings
 from storage.breaker import CircuitBreaker
 from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
@@ -73,6 +74,7 @@ class Runtime:
     _stack: ExitStack = field(repr=False)
     fleet: FleetMember | None = None  # with Redis: this replica in the fleet (engine.fleet)
     lifecycle: ModelLifecycle | None = None  # live model reloads (engine.lifecycle)
+    warm_set: WarmSet | None = None  # WARM_SET_SIZE > 0 with Redis: warm-up (engine.warmup)
 
     def close(self) -> None:
         self._stack.close()
@@ -177,13 +179,19 @@ def build_runtime(
             shadow_sample_rate=settings.shadow_sample_rate, fleet_flight=flight,
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
-        lifecycle = ModelLifecycle(engine=engine, load=model_loader)
+        warm_set = _warm_set(settings, engine, l2)
+        if warm_set is not None:
+            stack.callback(warm_set.close)  # stops before the engine and the store it uses
+        lifecycle = ModelLifecycle(engine=engine, load=model_loader, on_swap=(
+            None if warm_set is None else lambda task, _old, _new: warm_set.trigger([task])))  # fmt: skip
         cleanup = Cleanup(l2, prefix=settings.cache_prefix, current=lambda: (
             {task: model.version for task, model in engine.models.items()}, engine.generation))  # fmt: skip
         stack.callback(cleanup.close)  # its job stops before the store closes
         if isinstance(generation, RedisGeneration):
             generation.start()
         stack.callback(generation.close)  # closed before the store it polls
+        if warm_set is not None:  # subscribed after start-up's first read: only a later bump warms
+            generation.subscribe(lambda _old, _new: warm_set.trigger(list(engine.models)))
         fleet: FleetMember | None = None
         if fleet_redis is not None and isinstance(generation, RedisGeneration):
             fleet = FleetMember(
@@ -209,15 +217,29 @@ def build_runtime(
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
         admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet,
-                             lifecycle=lifecycle, cleanup=cleanup)  # fmt: skip
+                             lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set)  # fmt: skip
         auth = AdminAuth(settings.admin_token or _generated_token())
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
-            log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle,
+            log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle, warm_set=warm_set,
         )  # fmt: skip
     except BaseException:
         stack.close()
         raise
+
+
+def _warm_set(settings: Settings, engine: InferenceEngine, l2: RedisStore | None) -> WarmSet | None:
+    """WARM_SET_SIZE > 0: the hottest inputs kept in Redis and recomputed after a swap or a bump.
+    Closed (registered by the caller's stack) before the engine and the store."""
+    if settings.warm_set_size <= 0:
+        return None
+    if l2 is None:
+        log.warning("WARM_SET_SIZE=%s needs Redis (L2 is off): no warm-up", settings.warm_set_size)
+        return None
+    warm_set = WarmSet(l2, prefix=settings.cache_prefix, size=settings.warm_set_size,
+                       ttl_s=settings.warm_set_ttl_s, engine=engine).start()  # fmt: skip
+    engine.attach_warm_set(warm_set)
+    return warm_set
 
 
 def _resolve_l2(settings: Settings, stack: ExitStack) -> tuple[str | None, str | None]:

@@ -309,6 +309,10 @@ class Settings:
     shadow_sample_rate: float = 0.01
     # A YAML file listing the served models (engine.models.config); None: the two built-ins.
     models_config: Path | None = None
+    # Inputs of the hottest keys per task kept in Redis (with WARM_SET_TTL_S) to recompute
+    # after a model swap or a generation bump (engine.warmup); 0: off, nothing kept.
+    warm_set_size: int = 0
+    warm_set_ttl_s: int = 86_400
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -366,4 +370,6 @@ class Settings:
             cache_signing_keys=_signing_keys(env),
             shadow_sample_rate=_rate(env, "SHADOW_SAMPLE_RATE", 0.01),
             models_config=_models_config(env),
+            warm_set_size=_int(env, "WARM_SET_SIZE", 0, minimum=0),
+            warm_set_ttl_s=_int(env, "WARM_SET_TTL_S", 86_400, minimum=1),
         )

@@ -181,6 +181,13 @@ def build_router(
         progress = admin.cleanup_progress()
         return JSONResponse(progress if progress is not None else {"state": "never run"})
 
+    @router.get("/admin/api/warmup")
+    def admin_warmup(request: Request) -> JSONResponse:
+        """The last warm-up after a swap or a bump (engine.warmup): total, done, failed, running."""
+        if (refused := authorize(request)) is not None:
+            return refused
+        return JSONResponse(admin.warmup_progress())
+
     async def entry_call(request: Request, action: str) -> JSONResponse:
         if (refused := authorize(request)) is not None:
             return refused

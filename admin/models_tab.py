@@ -11,6 +11,7 @@ import gradio as gr
 
 from admin.replicas_tab import fleet_line
 from admin.service import AdminService
+from admin.warmup_tab import build_warmup_panel
 from engine.errors import InvalidInputError, ModelLoadError
 from engine.lifecycle import ReloadBusyError
 
@@ -64,6 +65,7 @@ def build_models_panel(admin: AdminService, session: gr.State) -> None:
         result = gr.Markdown(elem_id="admin-reload-result")
     button.click(make_reload_callback(admin), inputs=[session, task, note], outputs=[result, table],
                  api_name="admin_reload", api_visibility="undocumented")  # fmt: skip
+    build_warmup_panel(admin, session)
     build_cleanup_panel(admin, session)
 
 

@@ -18,6 +18,7 @@ from engine.errors import CacheUnavailableError, InvalidInputError, ModelLoadErr
 from engine.fleet import FleetAck, FleetMember
 from engine.lifecycle import ModelLifecycle, ReloadBusyError
 from engine.service import InferenceEngine, RequestRecord
+from engine.warmup import WarmSet
 from storage.log_writer import RequestLogWriter
 from storage.sql import recent_audit, record_audit
 
@@ -51,7 +52,9 @@ class AdminService:
         replica_id: str | None = None,
         lifecycle: ModelLifecycle | None = None,
         cleanup: Cleanup | None = None,
+        warm_set: WarmSet | None = None,
     ) -> None:
+        self._warm_set = warm_set  # warm-up after a swap or a bump (engine.warmup); None: off
         self._cleanup = cleanup  # old versions in L2 (engine.cleanup)
         self._lifecycle = lifecycle  # live model reloads (engine.lifecycle)
         self._replica_id = replica_id  # names this replica in the audit log
@@ -142,6 +145,13 @@ class AdminService:
 
     def cleanup_progress(self) -> dict[str, Any] | None:
         return self._cleanup.progress() if self._cleanup is not None else None
+
+    def warmup_progress(self) -> dict[str, Any]:
+        """The last warm-up (inputs total/done/failed, running) and the warm set's bounds;
+        `enabled` false when WARM_SET_SIZE is 0 or L2 is off."""
+        if self._warm_set is None:
+            return {"enabled": False, "running": False}
+        return {"enabled": True, **self._warm_set.progress()}
 
     def inspect(self, task: str, raw: Any) -> dict[str, Any]:
         """One entry as each tier holds it (engine.entries); changes nothing, not audited."""

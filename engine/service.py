@@ -89,6 +89,7 @@ class InferenceEngine:
         # Across replicas, a miss takes a Redis lease first (engine.fleet_flight).
         self._fleet_flight = fleet_flight
         self._fleet: Any = None  # engine.fleet.FleetMember, attached by the composition root
+        self._warm_set: Any = None  # engine.warmup.WarmSet (WARM_SET_SIZE > 0): counts hits per key
         self._codec = codec or ValueCodec()  # unsigned (checksum) unless given signing keys
         # Only models that gain from it batch (see engine.batching): one pass at a time, the
         # misses that wait meanwhile share the next. The others run up to their limit at once.
@@ -211,7 +212,35 @@ class InferenceEngine:
             if due:
                 self._send_writes(due, budget)
         self._emit_result(task, result, route)
+        if self._warm_set is not None:
+            self._warm_set.note(task, result.key, raw)
         return result
+
+    def warm(self, task: str, raw: Any) -> str:
+        """A warm-up's request (engine.warmup): answered like `classify` so its result is cached
+        for the version and generation served now, but seen by no listener (never in the request
+        log or the metrics) and counted in no tier. Returns the tier ("l1", "l2", "miss"...)."""
+        model = self._models.get(task)
+        if model is None:
+            raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
+        budget = _L2Budget(self._l2 is not None)
+        self._writes.enter()
+        try:
+            result = self._classify(task, model, raw, self._generation.current, False, time.perf_counter(),
+                                    budget, quiet=True)  # fmt: skip
+        finally:
+            due = self._writes.leave()
+            if due:
+                self._send_writes(due, budget)
+        return result.tier
+
+    def idle(self) -> bool:
+        """Whether no request is inside the engine now (background work waits for this)."""
+        return self._writes.in_flight == 0
+
+    def attach_warm_set(self, warm_set: Any) -> None:
+        """engine.warmup.WarmSet: every answered request is noted (its key and raw input)."""
+        self._warm_set = warm_set
 
     def classify_from_memory(self, task: str, raw: Any, *, route: str) -> ClassifyResult | None:
         """The answer when this replica's memory (L1) holds it, else None; never blocks (no
@@ -229,6 +258,8 @@ class InferenceEngine:
         except (ProbeMiss, InvalidInputError):
             return None
         self._emit_result(task, result, route)
+        if self._warm_set is not None:
+            self._warm_set.note(task, result.key, raw)
         return result
 
     def close(self) -> None:
@@ -387,6 +418,8 @@ class InferenceEngine:
         probe: bool,
         started: float,
         budget: _L2Budget,
+        *,
+        quiet: bool = False,  # a warm-up's request: no hit/miss counted, no shadow sample
     ) -> ClassifyResult:
         raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", model.version, generation,
                                raw_digest(raw)))  # fmt: skip
@@ -445,10 +478,11 @@ class InferenceEngine:
             model_ms = None
         if pending_alias is not None and not pending_alias.sent:
             self._write_l2([pending_alias], budget)
-        if self._shadow is not None and tier in ("l1", "l2"):
-            self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
-        self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
-                     "coalesced": "coalesced"}[tier])  # fmt: skip
+        if not quiet:  # a warm-up's request is neither sampled nor counted as a hit or a miss
+            if self._shadow is not None and tier in ("l1", "l2"):
+                self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
+            self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
+                         "coalesced": "coalesced"}[tier])  # fmt: skip
         now = self._clock()
         return ClassifyResult(
             prediction=cached.prediction,
