@@ -4,6 +4,8 @@ generation bump or a live model swap, so that the next request for them is a hit
 
 from __future__ import annotations
 
+import io
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -13,9 +15,13 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from PIL import Image
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from admin.warmup_tab import warmup_text
+from engine.inputs import CanonicalImage, canonicalize_image
+from engine.keys import digest_parts
 from engine.warmup import WarmSet
 from runtime import Runtime, build_runtime
 from settings import Settings
@@ -166,3 +172,63 @@ def test_window_counts_and_the_api(
     assert httpx.get(f"{url}/admin/api/warmup").status_code == 401
     body = httpx.get(f"{url}/admin/api/warmup", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     assert body["enabled"] is True and body["size"] == 1 and body["running"] is False
+
+
+class ImageStandIn:
+    """Canonicalises like every image model (engine.inputs); the model is not the subject."""
+
+    task = "image"
+    kind = "image-classification"
+
+    def canonicalize(self, raw: Any) -> CanonicalImage:
+        return canonicalize_image(raw, max_bytes=10_000_000, max_pixels=10_000_000)
+
+
+def test_an_image_is_kept_as_its_canonical_pixels_without_metadata(
+    photo_bytes: Callable[[str], bytes],
+) -> None:
+    picture = Image.open(io.BytesIO(photo_bytes("chelsea.png"))).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotated; canonicalisation turns it upright
+    exif[0x010F] = "PhoneMaker"  # metadata that must not be kept
+    upload = io.BytesIO()
+    picture.save(upload, format="JPEG", exif=exif, quality=90)
+    model = ImageStandIn()
+    canonical = model.canonicalize(upload.getvalue())
+
+    kept = WarmSet._stored_form(model, upload.getvalue())  # type: ignore[arg-type]
+    assert kept is not None
+    replay = WarmSet._replayed(kept)
+    again = model.canonicalize(replay)
+    assert again == canonical  # same pixels: the same cache key for every model
+    assert digest_parts(again.fingerprint_parts()) == digest_parts(canonical.fingerprint_parts())
+    assert not Image.open(io.BytesIO(replay)).getexif()  # no EXIF kept
+    assert WarmSet._stored_form(model, b"not an image") is None  # a refused input is not kept
+
+
+def test_the_warm_up_waits_for_live_requests(
+    make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis
+) -> None:
+    model = CountingTextModel("v1")
+    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url, warm_set_size=2)
+    warm_set = runtime.warm_set
+    assert warm_set is not None
+    for _ in range(2):
+        runtime.engine.classify("text", "hot one")
+        runtime.engine.classify("text", "hot two")
+    warm_set.flush()
+    assert kept_texts(warm_set) == {"hot one", "hot two"}
+    runtime.engine.bump_generation()
+    wait_warmed(runtime, runs=1)
+    calls = model.calls
+    model.delay_s = 0.6  # a live request holds the engine this long
+    live = threading.Thread(target=runtime.engine.classify, args=("text", "a slow new message"))
+    live.start()
+    time.sleep(0.1)
+    runtime.engine.bump_generation()  # a warm-up starts while the request is inside
+    time.sleep(0.3)
+    assert runtime.admin.warmup_progress()["done"] == 0 and model.calls == calls + 1
+    live.join()
+    progress = wait_warmed(runtime, runs=2)
+    assert (progress["done"], progress["computed"]) == (2, 2) and model.calls == calls + 3
+    assert "2/2 inputs done" in warmup_text(runtime.admin.warmup_progress())
