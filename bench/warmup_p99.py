@@ -1,0 +1,133 @@
+"""Live p99 with and without a warm-up running (engine.warmup), side by side in one run:
+`python -m bench.warmup_p99 [--kept 200] [--seconds 5]`.
+
+A private redis-server; an engine whose warm set keeps `--kept` hot inputs, then a new model
+version swapped in (their entries are now missing). Live load: 4 threads, each sending an
+L2-cached message then pausing 2 ms (a busy replica with idle moments). Phases: baseline,
+then the same load while the warm-up recomputes the kept inputs (a 2 ms forward pass each).
+Prints both p99s, their ratio (the target: at most 1.10), and how far the warm-up got.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from engine.generation import LocalGeneration
+from engine.inputs import CanonicalText, clean_text
+from engine.models.base import Prediction
+from engine.service import CachePolicy, InferenceEngine
+from engine.warmup import WarmSet
+from storage.breaker import CircuitBreaker
+from storage.embedded_redis import EmbeddedRedis
+from storage.memory import MemoryStore
+from storage.redis_clients import make_nodes
+from storage.redis_store import RedisStore
+
+PREFIX = "bench-warmup"
+
+
+class _Model:
+    task, name, device, kind = "text", "fixed", "cpu", "text-classification"
+    cheap_canonicalize = True
+
+    def __init__(self, version: str, forward_s: float = 0.002) -> None:
+        self.version = version
+        self._forward_s = forward_s
+
+    def canonicalize(self, raw: object) -> CanonicalText:
+        return clean_text(raw, max_chars=200)
+
+    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
+        time.sleep(self._forward_s)
+        return [Prediction((("a", 0.75), ("b", 0.25))) for _ in inputs]
+
+
+def _load(engine: InferenceEngine, texts: list[str], seconds: float, threads: int = 4) -> list[float]:
+    stop = time.monotonic() + seconds
+    samples: list[float] = []
+    lock = threading.Lock()
+
+    def worker(index: int) -> None:
+        mine = []
+        n = index
+        while time.monotonic() < stop:
+            started = time.perf_counter()
+            engine.classify("text", texts[n % len(texts)])
+            mine.append((time.perf_counter() - started) * 1000.0)
+            n += threads
+            time.sleep(0.002)
+        with lock:
+            samples.extend(mine)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kept", type=int, default=200, help="hot inputs kept and warmed")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each phase")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(data_dir=Path(tmp), maxmemory_mb=256) as server:
+        url = server.start()
+        store = RedisStore(make_nodes(url, socket_timeout_s=1.0), prefix=PREFIX,
+                           breaker=CircuitBreaker(failure_threshold=5, reset_s=1.0))  # fmt: skip
+        engine = InferenceEngine(
+            models={"text": _Model("v1")}, l1=MemoryStore(max_bytes=0, default_ttl_s=1.0), l2=store,
+            generation=LocalGeneration(), policy=CachePolicy(prefix=PREFIX, l1_ttl_s=1.0, l2_ttl_s=3600,
+                                                             negative_ttl_s=60),
+        )  # fmt: skip
+        warm = WarmSet(store, prefix=PREFIX, size=args.kept, ttl_s=3600, engine=engine, flush_s=3600).start()
+        engine.attach_warm_set(warm)
+        try:
+            hot = [f"hot message {n}" for n in range(args.kept)]
+            for _ in range(2):  # counted, then held once known hot: two flushes keep them all
+                for text in hot:
+                    engine.classify("text", text)
+                warm.flush()
+            kept = len(warm.stored("text"))
+            engine.replace_model("text", _Model("v2"))  # the kept inputs' entries are missing now
+            texts = [f"cached message {n}" for n in range(500)]
+            for text in texts:
+                engine.classify("text", text)
+            _load(engine, texts, 1.0)  # warm the process
+            baseline = _load(engine, texts, args.seconds)
+            started = time.monotonic()
+            warm.trigger(["text"])
+            during = _load(engine, texts, args.seconds)
+            progress = warm.progress()
+            while warm.progress()["running"] and time.monotonic() - started < 120:
+                time.sleep(0.05)
+            finished = warm.progress()
+            p99_base, p99_during = float(np.percentile(baseline, 99)), float(np.percentile(during, 99))
+            print(f"live L2-hit p99 without warm-up: {p99_base:.3f} ms ({len(baseline)} requests)")
+            meanwhile = f"{progress['done']}/{progress['total']} of {kept} kept inputs warmed meanwhile"
+            print(f"live L2-hit p99 during warm-up:  {p99_during:.3f} ms ({len(during)} requests; "
+                  f"{meanwhile})")  # fmt: skip
+            print(f"ratio: {p99_during / p99_base:.3f} (target <= 1.10)")
+            took = time.monotonic() - started
+            print(
+                f"warm-up finished: {finished['done']}/{finished['total']} done, "
+                f"{finished['computed']} computed, {finished['failed']} failed, in {took:.1f} s"
+            )
+        finally:
+            warm.close()
+            engine.close()
+            store.close()
+
+
+if __name__ == "__main__":
+    main()
