@@ -232,3 +232,27 @@ def test_the_warm_up_waits_for_live_requests(
     progress = wait_warmed(runtime, runs=2)
     assert (progress["done"], progress["computed"]) == (2, 2) and model.calls == calls + 3
     assert "2/2 inputs done" in warmup_text(runtime.admin.warmup_progress())
+
+
+def test_the_warm_set_works_on_a_redis_cluster(
+    make_runtime: Callable[..., Runtime], redis_binary: str
+) -> None:
+    from bench.redis_servers import LocalCluster
+
+    with LocalCluster() as cluster:
+        model = CountingTextModel("v1")
+        runtime = make_runtime(models={"text": model}, redis_url=cluster.url, warm_set_size=3)
+        warm_set = runtime.warm_set
+        assert warm_set is not None
+        send_traffic(runtime)
+        warm_set.flush()
+        send_traffic(runtime)
+        warm_set.flush()
+        assert kept_texts(warm_set) == {"message m0", "message m1", "message m2"}
+        calls = model.calls
+        runtime.engine.bump_generation()
+        progress = wait_warmed(runtime, runs=1)
+        assert (progress["done"], progress["computed"], progress["failed"]) == (3, 3, 0)
+        assert runtime.engine.classify("text", "message m2").tier in ("l1", "l2")
+        assert model.calls == calls + 3
+        runtime.close()  # before the cluster stops
