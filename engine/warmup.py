@@ -7,8 +7,9 @@ TTL refreshed while they stay hot, and are never written to the SQL request log 
 warm-up's own requests reach no request listener).
 
 - `WarmSet.note(task, key, raw)` runs on every answered request: a dict increment under a
-  lock. The raw input is held (by reference) only for a key already known to be hot, or
-  while fewer than N inputs are held, so memory stays bounded at about 2N inputs.
+  lock. The raw input is held (by reference) only for a key not kept in Redis yet that is
+  known to be hot, or while fewer than N inputs are held: memory stays bounded at 2N inputs,
+  and an input already kept is not encoded again at every flush.
 - Every `FLUSH_S` the owned thread adds the counts to the window's sorted set, reads the
   top N over this window and the previous one, stores the held inputs of the top N in one
   hash per task and removes from it every input no longer in the top N (so it holds at most
@@ -112,6 +113,7 @@ class WarmSet:
         self._counts: dict[tuple[str, str], int] = {}
         self._held: dict[tuple[str, str], Any] = {}  # raw inputs waiting for the next flush
         self._hot: set[tuple[str, str]] = set()  # the top N at the last flush
+        self._kept: set[tuple[str, str]] = set()  # inputs in Redis at the last flush: not held again
         self._pending: set[str] = set()  # tasks to warm
         self._progress = WarmProgress()
         self._wake = threading.Event()
@@ -141,7 +143,11 @@ class WarmSet:
                     return
                 count = 0
             self._counts[ident] = count + 1
-            if ident not in self._held and (ident in self._hot or len(self._held) < self.size):
+            if (
+                ident not in self._held
+                and ident not in self._kept
+                and (ident in self._hot or len(self._held) < self.size)
+            ):
                 self._held[ident] = raw
 
     # ---- life cycle ----------------------------------------------------------
@@ -262,8 +268,10 @@ class WarmSet:
 
         if writes or stale or stored:
             self._store.call(store_inputs, key=inputs)
+        kept = ({s.decode() for s in stored} - set(stale)) | set(writes)
         with self._lock:
             self._hot = {ident for ident in self._hot if ident[0] != task} | {(task, d) for d in top}
+            self._kept = {ident for ident in self._kept if ident[0] != task} | {(task, d) for d in kept}
 
     @staticmethod
     def _stored_form(model: Classifier, raw: Any) -> bytes | None:
