@@ -263,3 +263,25 @@ def test_served_by_name_in_gradio_and_rest(
         assert httpx.get(f"{server.url}/v2/models/image", timeout=10).status_code == 404
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_a_loaded_model_keeps_its_weights_when_the_file_is_overwritten(tmp_path: Path, kind: str) -> None:
+    """transformers maps safetensors into memory: without a copy, new weights copied over the
+    file in place would be served under the old model_version (the `model_reload` scenario)."""
+    import shutil
+
+    from engine.models.hf import HFImageClassifier, HFTextClassifier
+
+    make = make_text_model if kind == "text" else make_image_model
+    folder, fresh = make(tmp_path / "model", seed=0), make(tmp_path / "fresh", seed=1)
+    if kind == "text":
+        model: Any = HFTextClassifier(task="t", folder=folder, device="cpu", max_text_chars=500)
+        item = model.canonicalize("where is my parcel?")
+    else:
+        model = HFImageClassifier(task="i", folder=folder, device="cpu", max_upload_bytes=1 << 20,
+                                  max_image_pixels=1 << 22)  # fmt: skip
+        item = model.canonicalize(png(3))
+    before = model.predict_batch([item])[0]
+    shutil.copy(fresh / "model.safetensors", folder / "model.safetensors")  # in place: same inode
+    assert model.predict_batch([item])[0] == before

@@ -23,3 +23,16 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{device.index if device.index is not None else 0}"
     return device.type
+
+
+def in_owned_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every weight copied into memory the process owns. transformers maps
+    safetensors files into memory, so a loaded model reads its weights from the file for
+    as long as it lives: an operator copying new weights over the file in place would
+    change the *served* model while its version still names the old weights (seen in the
+    `model_reload` fault scenario). On a GPU the weights are copies already."""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
+    return model

@@ -29,7 +29,7 @@ import torch
 from engine.errors import InvalidInputError, ModelError, ModelLoadError
 from engine.inputs import CanonicalImage, canonicalize_image
 from engine.models.base import TOP_K, Prediction
-from engine.models.device import describe, select_device
+from engine.models.device import describe, in_owned_memory, select_device
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class _Base:
         self.ttl_s = ttl_s
 
     def _finish_load(self, model: torch.nn.Module) -> None:
-        self._model = model.eval().to(self._torch_device)
+        self._model = in_owned_memory(model.eval().to(self._torch_device))
         count = int(getattr(model.config, "num_labels", 0) or 0)
         if count < 1:
             raise ModelLoadError(f"{self.folder}: the model has no classes (num_labels)")

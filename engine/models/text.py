@@ -19,7 +19,7 @@ import yaml
 from engine.errors import ModelError, ModelLoadError
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import TOP_K, Prediction
-from engine.models.device import describe, select_device
+from engine.models.device import describe, in_owned_memory, select_device
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class TextClassifier:
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self._lower_case = bool(getattr(self._tokenizer, "do_lower_case", False))
         model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
-        self._model = model.eval().to(self._torch_device)
+        self._model = in_owned_memory(model.eval().to(self._torch_device))
         self.version = self._digest(model_dir)
         self._centroids = self._build_centroids()
         log.info("loaded %s %s on %s", self.name, self.version, self.device)
