@@ -25,8 +25,8 @@ from storage.redis_store import RedisStore
 log = logging.getLogger(__name__)
 
 SAMPLE_KEYS_PER_PRIMARY = 20_000
-CLEANUP_BATCH = 200  # keys per SCAN step and per UNLINK pipeline
-CLEANUP_RATE = 5_000  # keys examined per second at most (the live request path comes first)
+CLEANUP_BATCH = 100  # keys per SCAN step and per UNLINK pipeline
+CLEANUP_RATE = 2_000  # keys examined per second at most (the live request path comes first)
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 # What is served now: task -> model version, and the generation.

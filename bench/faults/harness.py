@@ -364,7 +364,9 @@ def build_context(
         raise
     apps = [
         AppProcess(
-            name, data_dir=work / f"app-{name}", redis_url=server.url,
+            name,
+            data_dir=work / f"app-{name}",
+            redis_url=server.url,
             database_url=database_url if name == "B" else None,
         )
         for name in ("A", "B")

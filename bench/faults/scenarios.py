@@ -59,8 +59,11 @@ SCENARIOS = (
     Scenario("key_rotation", "Signing key rotated (new,old), then the old key retired", key_rotation),
     Scenario("planted_wrong_answer", "A signed wrong answer, shadow-checked", planted_wrong_answer),
     Scenario("generation_key_evicted", "The generation key evicted by Redis", generation_key_evicted),
-    Scenario("model_reload", "A model reloaded with new weights under load, two replicas",
-             reload_under_load_scenario),
+    Scenario(
+        "model_reload",
+        "A model reloaded with new weights under load, two replicas",
+        reload_under_load_scenario,
+    ),
     Scenario("single_flight", "200 concurrent requests for one new input", single_flight),
     Scenario("version_bump", "Cache version bump while two processes serve", version_bump),
     Scenario("fleet_flush_bump", "Flushes and bumps under load, acknowledged by both", fleet_flush_bump),
