@@ -191,7 +191,9 @@ class HFImageClassifier(_Base):
         self._check_serving()
         if not inputs:
             return []
-        pixels = self._processor(images=[image.pixels for image in inputs], return_tensors="pt")[
+        # A copy each: the canonical pixels are read-only (the key, the warm set and shadow checks
+        # share them) and a user's processor may work in place on what it is given.
+        pixels = self._processor(images=[image.pixels.copy() for image in inputs], return_tensors="pt")[
             "pixel_values"
         ]
         with torch.inference_mode():
