@@ -41,7 +41,7 @@ async def read_body(headers: Mapping[str, str], receive: Receive, *, limit: int)
     """The whole body, inflated when compressed; RequestRefused(413) past `limit` bytes.
     `headers`: the request's headers by lower-case name; `receive`: its ASGI receive."""
     declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)  # refused before a byte of it is read
     chunks: list[bytes] = []
     received = 0

@@ -27,6 +27,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from starlette.routing import Match
 
 from api.body import Receive, read_body
 from api.errors import RequestRefused
@@ -207,10 +208,21 @@ class _InferRoute(APIRoute):
         super().__init__(path, endpoint, **kwargs)
         self._asgi_handler: ASGIHandler | None = getattr(endpoint, _ASGI_HANDLER, None)
 
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child_scope = super().matches(scope)
+        # Another method on an infer path is this route's 405, not a partial match that the
+        # app's catch-all Gradio mount (a full match for every path) would answer with 404.
+        return (Match.FULL if match is Match.PARTIAL else match), child_scope
+
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self._asgi_handler
-        if handler is None or scope["method"] != "POST":
-            await super().handle(scope, receive, send)  # and FastAPI's 405 for other methods
+        if scope["method"] != "POST":
+            message = f"Method {scope['method']} is not allowed here; inference requests are POST."
+            log.warning("refused %s %s: 405 %s", scope["method"], scope["path"][:200], message)
+            await _send(send, 405, _error_body(message), b"application/json", (b"allow", b"POST"))
+            return
+        if handler is None:
+            await super().handle(scope, receive, send)
             return
         await handler(scope, receive, send)
 

@@ -102,7 +102,8 @@ def _json_end(body: bytes, header_length: str | None) -> int:
     if header_length is None:
         return len(body)
     value = header_length.strip()
-    if not value.isdigit() or not 0 < int(value) <= len(body):
+    # isascii: str.isdigit() also takes digits int() refuses (the header is read as Latin-1: '²').
+    if not (value.isascii() and value.isdigit()) or not 0 < int(value) <= len(body):
         raise _refuse(f"Inference-Header-Content-Length must be a byte count between 1 and the body's "
                       f"{len(body)}; got {header_length!r}.")  # fmt: skip
     return int(value)
@@ -240,8 +241,14 @@ def _b64(element: bytes | str, index: int) -> bytes:
 
 def _request_id(header: dict[str, Any]) -> str | None:
     request_id = header.get("id")
-    if request_id is not None and not isinstance(request_id, str):
+    if request_id is None:
+        return None
+    if not isinstance(request_id, str):
         raise _refuse("The request 'id' must be a string.")
+    try:
+        request_id.encode()  # echoed in the response as UTF-8, which a lone surrogate is not
+    except UnicodeEncodeError:
+        raise _refuse("The request 'id' is not valid Unicode text.") from None
     return request_id
 
 
@@ -254,6 +261,8 @@ def _requested_outputs(header: dict[str, Any]) -> tuple[RequestedOutput, ...]:
         name = output.get("name") if isinstance(output, dict) else None
         if name not in OUTPUT_NAMES:
             raise _refuse(f"Unknown output {name!r}; this model gives 'label' and 'score'.")
+        if any(r.name == name for r in requested):
+            raise _refuse(f"Output {name!r} is requested twice.")
         params = _params(output, f"output {name!r}")
         if "classification" in params:
             raise _refuse("The classification extension is not supported: 'label' and 'score' already "

@@ -450,6 +450,13 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
      "Inference-Header-Content-Length must be"),
     ("text not utf-8", _binary_request(_binary_input(6), _bytes_element(b"\xff\xfe")),
      "The message is not valid UTF-8 text."),
+    ("header length a Latin-1 digit", {"content": json.dumps(json_body(["a"])).encode(),
+                                       "headers": {"Inference-Header-Content-Length": b"\xb2"}},  # '²'
+     "Inference-Header-Content-Length must be"),
+    ("id a lone surrogate", {"content": b'{"id": "\\ud800", ' + json.dumps(json_body(["a"])).encode()[1:]},
+     "'id' is not valid Unicode text"),
+    ("output twice", {"json": {**json_body(["a"]), "outputs": [{"name": "label"}, {"name": "label"}]}},
+     "Output 'label' is requested twice"),
     ("gzip that is not gzip", {"content": b"plain", "headers": {"Content-Encoding": "gzip"}},
      "not valid gzip"),
     ("truncated gzip", {"content": gzip.compress(json.dumps(json_body(["a"])).encode())[:20],
@@ -472,6 +479,30 @@ def test_malformed_requests_are_400_with_a_clear_message(
     assert message in error and "Traceback" not in error
     assert any(r.levelname == "WARNING" and "refused POST /v2/models/text/infer: 400" in r.getMessage()
                for r in caplog.records)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/v2/models/text/infer", "/v2/models/text/versions/x/infer"])
+def test_other_methods_on_an_infer_route_are_405(real_served: Served, path: str) -> None:
+    # Not the 404 of the catch-all Gradio mount behind the API routes.
+    for method in ("GET", "PUT", "DELETE"):
+        response = httpx.request(method, real_served.url + path, timeout=30)
+        assert response.status_code == 405 and response.headers["allow"] == "POST", (method, response.text)
+        assert "not allowed" in response.json()["error"]
+    assert real_served.post("/v2/models/text/infer", json=json_body(["hello"])).status_code == 200
+
+
+def test_a_file_reference_without_the_filedata_marker_is_refused(real: Served, tmp_path) -> None:
+    """Gradio checks only references marked `meta: {"_type": "gradio.FileData"}` against its
+    upload folder; an unmarked one must not make the server open the path it names."""
+    secret = tmp_path / "never-uploaded.txt"
+    secret.write_text("not for the caller")
+    before = real.runtime.engine.counters()
+    for path in (str(secret), str(tmp_path / "missing.png"), "/etc/hostname"):
+        response = real.post("/gradio_api/call/classify_image", json={"data": [{"path": path}]})
+        assert response.status_code == 400, (path, response.text)
+        assert "must be uploaded first" in response.json()["detail"]
+    after = real.runtime.engine.counters()
+    assert (after.model_calls, after.invalid) == (before.model_calls, before.invalid)  # no file was read
 
 
 def test_image_bytes_must_be_base64_or_binary(real: Served) -> None:

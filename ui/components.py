@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import gradio as gr
+from gradio.processing_utils import _check_allowed
 
 
 class UploadedImage(gr.Image):
@@ -23,6 +24,10 @@ class UploadedImage(gr.Image):
     def preprocess(self, payload: Any) -> str | None:  # type: ignore[override]
         if payload is None:
             return None
-        # Gradio has already stored the file in its upload folder (and applied its own
-        # allowed/blocked-path rules); the engine reads and checks the bytes itself.
+        # Gradio stores an upload in its upload folder and checks a file reference marked
+        # as FileData (`meta`) against it; a reference without the marker skips that check,
+        # so apply Gradio's own rule here (InvalidPathError: the app answers 400) before
+        # any file is opened. The engine reads and checks the bytes itself.
+        if payload.path is not None:
+            _check_allowed(payload.path, check_in_upload_folder=True)
         return payload.path

@@ -13,7 +13,7 @@ import gradio as gr
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from gradio.exceptions import InvalidPathError
+from gradio.exceptions import ComponentProcessingError, InvalidPathError
 from starlette.routing import Mount
 
 from admin.api import build_router
@@ -73,6 +73,9 @@ def build_app(runtime: Runtime) -> FastAPI:
     # preprocessing before queueing) as HTTP 500; it is the client's mistake, so answer 400.
     gradio_app = next(r.app for r in app.routes if isinstance(r, Mount))
     gradio_app.add_exception_handler(InvalidPathError, _refuse_path)
+    # The same refusal from UploadedImage.preprocess (a reference without Gradio's FileData
+    # marker), which Gradio wraps in ComponentProcessingError.
+    gradio_app.add_exception_handler(ComponentProcessingError, _refuse_wrapped_path)
     install_lean_sessions(gradio_app, demo)
     # Cached text answers of the two-step HTTP API skip Gradio (see ui.cached_calls).
     mount = next(r for r in app.routes if isinstance(r, Mount))
@@ -117,6 +120,12 @@ async def _refuse_path(request: Request, error: Exception) -> JSONResponse:
         {"detail": "Files must be uploaded first; a request cannot name a file on the server."},
         status_code=400,
     )
+
+
+async def _refuse_wrapped_path(request: Request, error: Exception) -> JSONResponse:
+    if isinstance(error.__cause__, InvalidPathError):
+        return await _refuse_path(request, error.__cause__)
+    raise error  # anything else stays the server error it was
 
 
 class BackgroundServer:
