@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 # Files that never change what the model computes (docs, training leftovers).
 _IGNORED = {"README.md", "training_args.bin", ".gitattributes"}
 _DEFAULT_MAX_TOKENS = 512  # when neither the tokenizer nor the config says
+# What a tokenizer is saved as (any one). Without them transformers still makes one: the
+# model type's class with only its special tokens, so every word would be the unknown token.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
+                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
 
 
 def folder_digest(folder: Path, *extra: str) -> str:
@@ -57,6 +61,15 @@ def _labels(config: Any, count: int, folder: Path) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ModelLoadError(f"{folder}: id2label has duplicate class names")
     return names
+
+
+def _position_offset(model: torch.nn.Module) -> int:
+    """Positions a RoBERTa-style model never gives a token: it numbers them from padding_idx + 1
+    (roberta-base: 514 position embeddings, 512 tokens)."""
+    embeddings = getattr(getattr(model, "base_model", None), "embeddings", None)
+    table = getattr(embeddings, "position_embeddings", None)
+    index = getattr(table, "padding_idx", None)
+    return index + 1 if isinstance(table, torch.nn.Embedding) and isinstance(index, int) else 0
 
 
 @dataclass(frozen=True)
@@ -124,15 +137,24 @@ class HFTextClassifier(_Base):
             task=task, folder=folder, device=device, top_k=top_k, max_batch=max_batch, ttl_s=ttl_s
         )
         self._max_text_chars = max_text_chars
+        if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+            raise ModelLoadError(f"{folder}: no tokenizer saved there (tokenizer.save_pretrained)")
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), local_files_only=True)
         except Exception as exc:  # transformers raises many types for a broken folder
             raise ModelLoadError(f"{folder}: cannot load a text classifier: {exc}") from exc
-        limits = [getattr(self._tokenizer, "model_max_length", None),
-                  getattr(model.config, "max_position_embeddings", None)]  # fmt: skip
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(positions, int):
+            positions -= _position_offset(model)
+        limits = [getattr(self._tokenizer, "model_max_length", None), positions]
         usable = [n for n in limits if isinstance(n, int) and 0 < n < 1_000_000]
         self._max_tokens = min(usable) if usable else _DEFAULT_MAX_TOKENS
+        # Misses share one padded forward pass only where padding cannot change an answer: padded
+        # on the right with the token the model itself takes for padding (a GPT-2 style classifier
+        # reads the last token that is not it; GPT-2 ships with none). Otherwise one input a pass.
+        pad = self._tokenizer.pad_token_id
+        self._pads = pad is not None and pad == getattr(model.config, "pad_token_id", None)
         self._finish_load(model)
         log.info("loaded %s (%s) %s on %s", self.task, self.folder, self.version, self.device)
 
@@ -153,9 +175,11 @@ class HFTextClassifier(_Base):
         self._check_serving()
         if not inputs:
             return []
+        if len(inputs) > 1 and not self._pads:
+            return [answer for item in inputs for answer in self.predict_batch([item])]
         encoded = self._tokenizer(
-            [item.text for item in inputs], padding=True, truncation=True, max_length=self._max_tokens,
-            return_tensors="pt",
+            [item.text for item in inputs], padding=self._pads, padding_side="right", truncation=True,
+            max_length=self._max_tokens, return_tensors="pt",
         ).to(self._torch_device)  # fmt: skip
         with torch.inference_mode():
             return self._top(self._model(**encoded).logits)
@@ -193,8 +217,11 @@ class HFImageClassifier(_Base):
             return []
         # A copy each: the canonical pixels are read-only (the key, the warm set and shadow checks
         # share them) and a user's processor may work in place on what it is given.
-        pixels = self._processor(images=[image.pixels.copy() for image in inputs], return_tensors="pt")[
-            "pixel_values"
-        ]
+        # Channels last, said: left to guess, a processor takes an image 1 or 3 pixels high for
+        # channels first.
+        pixels = self._processor(
+            images=[image.pixels.copy() for image in inputs], input_data_format="channels_last",
+            return_tensors="pt",
+        )["pixel_values"]  # fmt: skip
         with torch.inference_mode():
             return self._top(self._model(pixel_values=pixels.to(self._torch_device)).logits)
