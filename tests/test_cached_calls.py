@@ -3,10 +3,13 @@ Gradio for cached inputs, exactly as Gradio answers; everything else left to Gra
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from gradio_client import Client
 from starlette.routing import Mount
@@ -96,3 +99,33 @@ def test_unread_answers_are_bounded(serve_shortcut) -> None:
     assert list(shortcut._pending) == ["late"]
 
 
+
+
+def test_calls_gradio_would_fail_with_a_500_are_refused_with_400(serve_shortcut, real_models, caplog) -> None:
+    url, shortcut = serve_shortcut(models=real_models)
+    file_ref = {"_type": "gradio.FileData"}
+    refused = {
+        "classify_text": [b'{"data": []}', b'{"data": "abc"}', b'[1]', b'{"data": ["\xff"]}', b"[" * 20_000],
+        "classify_image": [
+            b'{"data": [5]}',
+            b'{"data": ["/etc/passwd"]}',
+            b'{"data": ["data:image/png;base64,iVBORw0KGgo="]}',
+            json.dumps({"data": [{"path": 5, "meta": file_ref}]}).encode(),
+        ],
+    }
+    caplog.set_level(logging.WARNING, logger="ui.cached_calls")
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for api_name, bodies in refused.items():
+            for body in bodies:
+                reply = http.post(f"/gradio_api/call/{api_name}", content=body,
+                                  headers={"content-type": "application/json"})  # fmt: skip
+                assert reply.status_code == 400, (api_name, body[:40], reply.text)
+                assert reply.json()["detail"] and "Traceback" not in reply.text
+        # Still serving, and Gradio's own leniency kept: a number is a message to its Textbox.
+        with GradioHttpClient(url, timeout_s=30.0) as client:
+            answered = client.call("classify_text", ["Where is my parcel?"]).outputs
+            lenient = client.call("classify_text", [12345])
+    assert answered[1]["tier"] == "miss" and lenient.event == "complete"
+    warnings = [r for r in caplog.records if "refused a call" in r.getMessage()]
+    assert len(warnings) == sum(len(bodies) for bodies in refused.values())
+    assert shortcut.answered == 0

@@ -9,9 +9,10 @@ mounted Gradio app and answers those calls whose answer is already cached, from 
 Gradio received through its upload route (exactly a path in `Blocks.upload_file_set`,
 stricter than Gradio's own check). Its outputs are rendered by the event's own output
 components as Gradio renders them, and its event id handed back for the GET, which streams
-the same `complete` event Gradio would. Everything else (a miss, bad input, any other file
-reference, the `/queue` protocol of browsers and gradio_client) goes to Gradio untouched,
-body and all.
+the same `complete` event Gradio would. A call whose body Gradio would fail with a 500 (not
+JSON, no input, an image input that is not a file reference) is refused here with 400. Everything
+else (a miss, input the engine refuses, any other file reference, the `/queue` protocol of
+browsers and gradio_client) goes to Gradio untouched, body and all.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ PENDING_TTL_S = 300.0
 @dataclass(frozen=True)
 class CachedApi:
     """One API name answered here: its task, its event's output components (label,
-    cache_info), and how the call's one data item becomes the engine's raw input (raising
-    for anything it must leave to Gradio)."""
+    cache_info), how the call's one data item becomes the engine's raw input (raising
+    for anything it must leave to Gradio), and what is wrong with an item of the wrong
+    kind (None when its kind is right)."""
 
     task: str
     outputs: Sequence[Any]
     raw_input: Callable[[Any], Any]
+    wrong_kind: Callable[[Any], str | None]
 
 
 class CachedCalls:
@@ -85,6 +88,11 @@ class CachedCalls:
     async def _call(self, scope: Scope, receive: Receive, send: Send, api_name: str) -> None:
         messages, complete = await _read_body(scope, receive)
         body = b"".join(m.get("body", b"") for m in messages)
+        problem = _malformed(body, self._apis[api_name]) if complete else None
+        if problem is not None:
+            log.warning("refused a call of %s: 400 %s", api_name, problem)
+            await respond(send, 400, {"detail": problem})
+            return
         outputs = await self._cached_outputs(api_name, body) if complete else None
         if outputs is None:  # not ours to answer: Gradio gets the request as it came
             await self.gradio_app(scope, _replay(messages, receive), send)
@@ -95,13 +103,9 @@ class CachedCalls:
         await respond(send, 200, {"event_id": event_id})
 
     async def _cached_outputs(self, api_name: str, body: bytes) -> bytes | None:
-        try:
-            request = json.loads(body)
-            data = request.get("data") if isinstance(request, dict) else None
-        except ValueError:
-            return None
-        if not isinstance(data, list) or len(data) != 1:
-            return None
+        data = json.loads(body)["data"]  # a non-empty list: checked by _malformed
+        if len(data) != 1:
+            return None  # Gradio ignores extra items; its answer, not ours
         api = self._apis[api_name]
 
         def probe() -> Any:
@@ -132,6 +136,18 @@ class CachedCalls:
     def _answer(self, event_id: str) -> bytes | None:
         entry = self._pending.get(event_id)
         return None if entry is None else entry[1]
+
+
+def _malformed(body: bytes, api: CachedApi) -> str | None:
+    """What is wrong with a call's body, or None when its input is of the right kind."""
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):  # invalid UTF-8 too; nesting deeper than Python's stack
+        return "The body must be JSON: {\"data\": [<input>]}."
+    data = request.get("data") if isinstance(request, dict) else None
+    if not isinstance(data, list) or not data:
+        return "The body must be a JSON object whose \"data\" is a list holding the input."
+    return api.wrong_kind(data[0])
 
 
 def _rendered(component: Any, value: Any) -> Any:

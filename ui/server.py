@@ -97,13 +97,25 @@ def _cached_call_apis(demo: gr.Blocks, engine: Any, max_upload_bytes: int) -> di
             raise PermissionError("not a file this app received through its upload route")
         return read_upload(Path(path), max_upload_bytes)
 
+    def any_message(item: Any) -> None:
+        return None  # Gradio's Textbox takes any JSON value as text (str(value))
+
+    def not_a_file_reference(item: Any) -> str | None:
+        names_a_file = isinstance(item, dict) and any(isinstance(item.get(k), str) for k in ("path", "url"))
+        if item is None or names_a_file:
+            return None
+        return ('The input of this API is an uploaded image: {"path": "<path from /gradio_api/upload>", '
+                '"meta": {"_type": "gradio.FileData"}}.')  # fmt: skip
+
     apis = {}
     for fn in demo.fns.values():
         task = (fn.api_name or "").removeprefix("classify_")
         model = engine.models.get(task)
-        if model is not None and fn.api_name == f"classify_{task}":
-            raw_input = upload if takes_image(model) else text
-            apis[fn.api_name] = CachedApi(task, list(fn.outputs), raw_input)
+        if model is not None and fn.api_name == f"classify_{task}" and len(fn.inputs) == 1:
+            if takes_image(model):
+                apis[fn.api_name] = CachedApi(task, list(fn.outputs), upload, not_a_file_reference)
+            else:
+                apis[fn.api_name] = CachedApi(task, list(fn.outputs), text, any_message)
     return apis
 
 
