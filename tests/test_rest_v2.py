@@ -481,6 +481,20 @@ def test_malformed_requests_are_400_with_a_clear_message(
                for r in caplog.records)  # fmt: skip
 
 
+def test_a_refusal_quotes_what_was_sent_in_bounded_length(
+    real_served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    huge = "x" * 2_000_000  # an output name of 2 MB: neither echoed back whole nor logged whole
+    body = {**json_body(["a"]), "outputs": [{"name": huge}]}
+    with caplog.at_level("WARNING", logger="api.oip"):
+        response = real_served.post("/v2/models/text/infer", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error.startswith("Unknown output 'xxx") and len(error) <= 500
+    logged = [r.getMessage() for r in caplog.records if "refused POST /v2/models/text" in r.getMessage()]
+    assert logged and all(len(line) < 1_000 for line in logged)
+
+
 @pytest.mark.parametrize("path", ["/v2/models/text/infer", "/v2/models/text/versions/x/infer"])
 def test_other_methods_on_an_infer_route_are_405(real_served: Served, path: str) -> None:
     # Not the 404 of the catch-all Gradio mount behind the API routes.
