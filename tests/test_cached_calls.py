@@ -129,3 +129,12 @@ def test_calls_gradio_would_fail_with_a_500_are_refused_with_400(serve_shortcut,
     warnings = [r for r in caplog.records if "refused a call" in r.getMessage()]
     assert len(warnings) == sum(len(bodies) for bodies in refused.values())
     assert shortcut.answered == 0
+
+
+def test_an_unknown_api_name_is_404(serve_shortcut) -> None:
+    url, _ = serve_shortcut(models={"text": CountingTextModel()})
+    with httpx.Client(base_url=url, timeout=30) as http:
+        unknown = http.post("/gradio_api/call/classify_nope", json={"data": ["hello"]})
+        known = http.post("/gradio_api/call/classify_text", json={"data": ["hello"]})
+    assert unknown.status_code == 404 and "/gradio_api/info" in unknown.json()["detail"]
+    assert known.status_code == 200 and known.json()["event_id"]

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from gradio.exceptions import ComponentProcessingError, InvalidPathError
+from gradio.route_utils import FnIndexInferError
 from starlette.routing import Mount
 
 from admin.api import build_router
@@ -76,6 +77,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     # The same refusal from UploadedImage.preprocess (a reference without Gradio's FileData
     # marker), which Gradio wraps in ComponentProcessingError.
     gradio_app.add_exception_handler(ComponentProcessingError, _refuse_wrapped_path)
+    gradio_app.add_exception_handler(FnIndexInferError, _unknown_api)  # Gradio: a 500
     install_lean_sessions(gradio_app, demo)
     # Cached text answers of the two-step HTTP API skip Gradio (see ui.cached_calls).
     mount = next(r for r in app.routes if isinstance(r, Mount))
@@ -132,6 +134,11 @@ async def _refuse_path(request: Request, error: Exception) -> JSONResponse:
         {"detail": "Files must be uploaded first; a request cannot name a file on the server."},
         status_code=400,
     )
+
+
+async def _unknown_api(request: Request, error: Exception) -> JSONResponse:
+    log.warning("refused %s %s: 404 no such API", request.method, request.url.path[:200])
+    return JSONResponse({"detail": "No API of that name; the list is at /gradio_api/info."}, status_code=404)
 
 
 async def _refuse_wrapped_path(request: Request, error: Exception) -> JSONResponse:
