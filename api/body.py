@@ -33,6 +33,13 @@ def oip_body_limit(max_upload_bytes: int) -> int:
     return 4 * math.ceil(max_upload_bytes / 3) + HEADER_ALLOWANCE_BYTES
 
 
+def byte_count(value: str) -> int | None:
+    """A header's decimal byte count, or None. ASCII digits only: headers are read as Latin-1,
+    and str.isdigit() also takes digits such as '²' that int() refuses."""
+    value = value.strip()
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
 def _too_large(limit: int) -> RequestRefused:
     return RequestRefused(413, f"The request body is larger than the limit of {limit:,} bytes.")
 
@@ -40,8 +47,8 @@ def _too_large(limit: int) -> RequestRefused:
 async def read_body(headers: Mapping[str, str], receive: Receive, *, limit: int) -> bytes:
     """The whole body, inflated when compressed; RequestRefused(413) past `limit` bytes.
     `headers`: the request's headers by lower-case name; `receive`: its ASGI receive."""
-    declared = headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+    declared = byte_count(headers.get("content-length") or "")
+    if declared is not None and declared > limit:
         raise _too_large(limit)  # refused before a byte of it is read
     chunks: list[bytes] = []
     received = 0

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from api.body import byte_count
 from api.errors import RequestRefused
 
 OUTPUT_NAMES = ("label", "score")
@@ -101,12 +102,11 @@ def parse_infer_request(
 def _json_end(body: bytes, header_length: str | None) -> int:
     if header_length is None:
         return len(body)
-    value = header_length.strip()
-    # isascii: str.isdigit() also takes digits int() refuses (the header is read as Latin-1: '²').
-    if not (value.isascii() and value.isdigit()) or not 0 < int(value) <= len(body):
+    length = byte_count(header_length)
+    if length is None or not 0 < length <= len(body):
         raise _refuse(f"Inference-Header-Content-Length must be a byte count between 1 and the body's "
                       f"{len(body)}; got {header_length!r}.")  # fmt: skip
-    return int(value)
+    return length
 
 
 def _load_json(data: bytes) -> dict[str, Any]:

@@ -47,12 +47,12 @@ class CachedApi:
     """One API name answered here: its task, its event's output components (label,
     cache_info), how the call's one data item becomes the engine's raw input (raising
     for anything it must leave to Gradio), and what is wrong with an item of the wrong
-    kind (None when its kind is right)."""
+    kind (None when its kind is right; by default any kind is)."""
 
     task: str
     outputs: Sequence[Any]
     raw_input: Callable[[Any], Any]
-    wrong_kind: Callable[[Any], str | None]
+    wrong_kind: Callable[[Any], str | None] = lambda item: None
 
 
 class CachedCalls:
@@ -88,12 +88,14 @@ class CachedCalls:
     async def _call(self, scope: Scope, receive: Receive, send: Send, api_name: str) -> None:
         messages, complete = await _read_body(scope, receive)
         body = b"".join(m.get("body", b"") for m in messages)
-        problem = _malformed(body, self._apis[api_name]) if complete else None
-        if problem is not None:
-            log.warning("refused a call of %s: 400 %s", api_name, problem)
-            await respond(send, 400, {"detail": problem})
-            return
-        outputs = await self._cached_outputs(api_name, body) if complete else None
+        data: list[Any] | None = None
+        if complete:
+            data, problem = _call_data(body, self._apis[api_name])
+            if problem is not None:
+                log.warning("refused a call of %s: 400 %s", api_name, problem)
+                await respond(send, 400, {"detail": problem})
+                return
+        outputs = await self._cached_outputs(api_name, data) if data is not None else None
         if outputs is None:  # not ours to answer: Gradio gets the request as it came
             await self.gradio_app(scope, _replay(messages, receive), send)
             return
@@ -102,8 +104,7 @@ class CachedCalls:
         self.answered += 1
         await respond(send, 200, {"event_id": event_id})
 
-    async def _cached_outputs(self, api_name: str, body: bytes) -> bytes | None:
-        data = json.loads(body)["data"]  # a non-empty list: checked by _malformed
+    async def _cached_outputs(self, api_name: str, data: list[Any]) -> bytes | None:
         if len(data) != 1:
             return None  # Gradio ignores extra items; its answer, not ours
         api = self._apis[api_name]
@@ -138,16 +139,17 @@ class CachedCalls:
         return None if entry is None else entry[1]
 
 
-def _malformed(body: bytes, api: CachedApi) -> str | None:
-    """What is wrong with a call's body, or None when its input is of the right kind."""
+def _call_data(body: bytes, api: CachedApi) -> tuple[list[Any] | None, str | None]:
+    """A call's inputs (its "data", a non-empty list), or what is wrong with its body."""
     try:
         request = json.loads(body)
     except (ValueError, RecursionError):  # invalid UTF-8 too; nesting deeper than Python's stack
-        return "The body must be JSON: {\"data\": [<input>]}."
+        return None, "The body must be JSON: {\"data\": [<input>]}."
     data = request.get("data") if isinstance(request, dict) else None
     if not isinstance(data, list) or not data:
-        return "The body must be a JSON object whose \"data\" is a list holding the input."
-    return api.wrong_kind(data[0])
+        return None, "The body must be a JSON object whose \"data\" is a list holding the input."
+    problem = api.wrong_kind(data[0])
+    return (None, problem) if problem is not None else (data, None)
 
 
 def _rendered(component: Any, value: Any) -> Any:

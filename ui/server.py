@@ -99,9 +99,6 @@ def _cached_call_apis(demo: gr.Blocks, engine: Any, max_upload_bytes: int) -> di
             raise PermissionError("not a file this app received through its upload route")
         return read_upload(Path(path), max_upload_bytes)
 
-    def any_message(item: Any) -> None:
-        return None  # Gradio's Textbox takes any JSON value as text (str(value))
-
     def not_a_file_reference(item: Any) -> str | None:
         names_a_file = isinstance(item, dict) and any(isinstance(item.get(k), str) for k in ("path", "url"))
         if item is None or names_a_file:
@@ -117,7 +114,8 @@ def _cached_call_apis(demo: gr.Blocks, engine: Any, max_upload_bytes: int) -> di
             if takes_image(model):
                 apis[fn.api_name] = CachedApi(task, list(fn.outputs), upload, not_a_file_reference)
             else:
-                apis[fn.api_name] = CachedApi(task, list(fn.outputs), text, any_message)
+                # Any kind: Gradio's Textbox takes any JSON value as text (str(value)).
+                apis[fn.api_name] = CachedApi(task, list(fn.outputs), text)
     return apis
 
 
