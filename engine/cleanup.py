@@ -12,7 +12,6 @@ their latency, and reports its progress; a dry run counts without deleting.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.errors import CacheUnavailableError, InvalidInputError
+from engine.keys import DIGEST_PATTERN, LEGACY_DIGEST_PATTERN
 from storage.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 SAMPLE_KEYS_PER_PRIMARY = 20_000
 CLEANUP_BATCH = 100  # keys per SCAN step and per UNLINK pipeline
 CLEANUP_RATE = 2_000  # keys examined per second at most (the live request path comes first)
-_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+# Entries keyed under an earlier key scheme (xxh3 digests) are never read again: they are
+# grouped under their version with this mark, which no served version carries.
+LEGACY_SCHEME_MARK = " (xxh3 keys)"
 
 # What is served now: task -> model version, and the generation.
 Current = Callable[[], tuple[dict[str, str], int]]
@@ -35,14 +37,19 @@ Current = Callable[[], tuple[dict[str, str], int]]
 
 def parse_key(key: bytes | str, prefix: str) -> tuple[str, str, int] | None:
     """(task, model version, generation) of a result, alias or rejection key; None for any
-    other key under the prefix (meta, leases, the fleet's)."""
+    other key under the prefix (meta, leases, the fleet's). A key of an earlier key scheme
+    gives its version with LEGACY_SCHEME_MARK, so that it counts as old."""
     text = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
     if not text.startswith(prefix + ":"):
         return None
     parts = text[len(prefix) + 1 :].split(":")
-    if len(parts) != 4 or not parts[2].isdigit() or not _DIGEST.match(parts[3]):
+    if len(parts) != 4 or not parts[2].isdigit():
         return None
-    namespace, version, generation, _ = parts
+    namespace, version, generation, digest = parts
+    if LEGACY_DIGEST_PATTERN.match(digest):
+        version += LEGACY_SCHEME_MARK
+    elif not DIGEST_PATTERN.match(digest):
+        return None
     return namespace.removesuffix("-raw"), version, int(generation)
 
 

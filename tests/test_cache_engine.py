@@ -16,6 +16,7 @@ import redis
 from PIL import Image
 
 from engine.errors import InvalidInputError, ModelError
+from engine.keys import DIGEST_PATTERN
 from engine.service import L2_WRITE_DELAY_S, ProbeMiss
 from runtime import Runtime
 from storage.embedded_redis import EmbeddedRedis
@@ -64,7 +65,7 @@ class TestTiers:
                              "device", "age_s"}  # fmt: skip
         prefix, task, version, generation, digest = info["key"].split(":")
         assert (prefix, task, version, int(generation)) == ("infcache", "text", "standin-v1", 0)
-        assert len(digest) == 32 and info["latency_ms"] > 0
+        assert DIGEST_PATTERN.match(digest) and info["latency_ms"] > 0
 
     def test_whitespace_variants_share_one_entry(self, make_runtime, redis_server) -> None:
         model = CountingTextModel()

@@ -11,7 +11,8 @@ import httpx
 import pytest
 import redis
 
-from engine.cleanup import CleanupJob, census, parse_key
+from engine.cleanup import LEGACY_SCHEME_MARK, CleanupJob, census, is_old, parse_key
+from engine.keys import digest_parts
 from runtime import Runtime
 from storage.embedded_redis import EmbeddedRedis, free_port
 from tests.conftest import CountingTextModel
@@ -49,14 +50,20 @@ def aged(make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis) -> R
 
 
 def test_parse_key_knows_only_entries() -> None:
-    digest = "0123456789abcdef0123456789abcdef"
+    digest = digest_parts([b"text:", b"hello"])
     assert parse_key(f"p:text:v1:3:{digest}".encode(), "p") == ("text", "v1", 3)
     assert parse_key(f"p:image-raw:v1:0:{digest}", "p") == ("image", "v1", 0)
+    # An entry of the key scheme before (a bare xxh3-128 digest) is never read again: old.
+    legacy = parse_key("p:text:v1:3:0123456789abcdef0123456789abcdef", "p")
+    assert legacy == ("text", "v1" + LEGACY_SCHEME_MARK, 3)
+    assert is_old(*legacy, ({"text": "v1"}, 3))
     for other in (
         "p:meta:generation",
         f"p:lease:text:v1:0:{digest}",
         f"q:text:v1:0:{digest}",
         "p:text:v1:x:y",
+        f"p:text:v1:0:{digest}0",
+        "p:text:v1:0:b3" + "g" * 32,
     ):
         assert parse_key(other, "p") is None
 
