@@ -2,11 +2,15 @@
 
 Wrong or missing token: 401 and nothing changes. Repeated failures from one
 client: 429 for a while. Health and metrics endpoints live here too.
+
+A body is read only once the token is checked (its size is bounded in front of the app,
+`ui.limits`), and anything but a JSON object counts as `{}`: the action checks every field.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -24,6 +28,25 @@ from engine.lifecycle import ReloadBusyError
 from engine.service import InferenceEngine
 
 log = logging.getLogger(__name__)
+
+
+def _body_docs(**properties: dict[str, Any]) -> dict[str, Any]:
+    """OpenAPI for a JSON body of these fields (the /docs page; the schema fuzzing)."""
+    schema = {"type": "object", "properties": properties}
+    return {"requestBody": {"required": False, "content": {"application/json": {"schema": schema}}}}
+
+
+_NOTE = {"type": "string", "description": "recorded in the audit log"}
+_ENTRY_DOCS = _body_docs(
+    task={"type": "string"},
+    input={"type": "string", "description": "a text input"},
+    input_base64={"type": "string", "description": "a file's bytes (an image), base64"},
+)
+
+
+def _object_field(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    return value if isinstance(value, str) else None
 
 
 def _fleet_status(result: dict[str, Any]) -> int:
@@ -59,8 +82,8 @@ def build_router(
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:
-            body = await request.json()
-        except ValueError:
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError):  # not JSON or UTF-8, a huge integer; nested too deeply
             return {}
         return body if isinstance(body, dict) else {}
 
@@ -96,26 +119,24 @@ def build_router(
         except LogUnavailableError as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
 
-    @router.post("/admin/api/flush")
+    @router.post("/admin/api/flush", openapi_extra=_body_docs(tier={"enum": ["l1", "l2", "all"]}))
     async def admin_flush(request: Request) -> JSONResponse:
         if (refused := authorize(request)) is not None:
             return refused
         body = await json_body(request)
         try:
-            result = await asyncio.to_thread(admin.flush, str(body.get("tier", "")), actor=actor(request))
+            tier = _object_field(body, "tier") or ""  # then refused, naming the tiers
+            result = await asyncio.to_thread(admin.flush, tier, actor=actor(request))
         except InvalidInputError as exc:
             return JSONResponse({"error": exc.message}, status_code=400)
         return JSONResponse(result, status_code=_fleet_status(result))
 
-    @router.post("/admin/api/bump-version")
+    @router.post("/admin/api/bump-version", openapi_extra=_body_docs(note=_NOTE))
     async def admin_bump(request: Request) -> JSONResponse:
         if (refused := authorize(request)) is not None:
             return refused
-        body = await json_body(request)
-        note = body.get("note")
-        result = await asyncio.to_thread(
-            admin.bump_version, actor=actor(request), note=note if isinstance(note, str) else None
-        )
+        note = _object_field(await json_body(request), "note")
+        result = await asyncio.to_thread(admin.bump_version, actor=actor(request), note=note)
         return JSONResponse(result, status_code=_fleet_status(result) if result["ok"] else 503)
 
     @router.get("/admin/api/replicas")
@@ -127,18 +148,16 @@ def build_router(
         except FleetUnavailableError as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
 
-    @router.post("/admin/api/models/{task}/reload")
+    @router.post("/admin/api/models/{task}/reload", openapi_extra=_body_docs(note=_NOTE))
     async def admin_reload(request: Request, task: str) -> JSONResponse:
         """Load the task's model again from its source, check it, swap it in on every replica.
         404 unknown task, 409 a reload already running, 422 the new files do not load or do not
         pass the check (the old model keeps serving); 202 when some replica did not confirm."""
         if (refused := authorize(request)) is not None:
             return refused
-        note = (await json_body(request)).get("note")
+        note = _object_field(await json_body(request), "note")
         try:
-            result = await asyncio.to_thread(
-                admin.reload_model, task, actor=actor(request), note=note if isinstance(note, str) else None
-            )
+            result = await asyncio.to_thread(admin.reload_model, task, actor=actor(request), note=note)
         except InvalidInputError as exc:
             return JSONResponse({"ok": False, "error": exc.message}, status_code=404)
         except ReloadBusyError as exc:
@@ -160,7 +179,7 @@ def build_router(
         except InvalidInputError as exc:
             return JSONResponse({"error": exc.message}, status_code=503)
 
-    @router.post("/admin/api/l2/cleanup")
+    @router.post("/admin/api/l2/cleanup", openapi_extra=_body_docs(dry_run={"type": "boolean"}))
     async def admin_cleanup(request: Request) -> JSONResponse:
         """Start counting (`{"dry_run": true}`, the default) or deleting the entries of old
         versions and generations in the background: 202 with the progress; 409 while one runs."""
@@ -204,11 +223,11 @@ def build_router(
             return JSONResponse({"error": exc.message}, status_code=status)
         return JSONResponse(result, status_code=_fleet_status(result))
 
-    @router.post("/admin/api/inspect")
+    @router.post("/admin/api/inspect", openapi_extra=_ENTRY_DOCS)
     async def admin_inspect(request: Request) -> JSONResponse:
         return await entry_call(request, "inspect")
 
-    @router.post("/admin/api/evict")
+    @router.post("/admin/api/evict", openapi_extra=_ENTRY_DOCS)
     async def admin_evict(request: Request) -> JSONResponse:
         return await entry_call(request, "evict")
 

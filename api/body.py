@@ -33,11 +33,19 @@ def oip_body_limit(max_upload_bytes: int) -> int:
     return 4 * math.ceil(max_upload_bytes / 3) + HEADER_ALLOWANCE_BYTES
 
 
+# Digits of a byte-count header: 18 cover an exabyte and stay clear of int()'s cost on long
+# strings and of Python's 4,300-digit limit, which raises ValueError.
+_MAX_COUNT_DIGITS = 18
+
+
 def byte_count(value: str) -> int | None:
     """A header's decimal byte count, or None. ASCII digits only: headers are read as Latin-1,
     and str.isdigit() also takes digits such as '²' that int() refuses."""
     value = value.strip()
-    return int(value) if value.isascii() and value.isdigit() else None
+    if not (value.isascii() and value.isdigit()):
+        return None
+    digits = value.lstrip("0") or "0"
+    return int(digits) if len(digits) <= _MAX_COUNT_DIGITS else None
 
 
 def _too_large(limit: int) -> RequestRefused:

@@ -30,7 +30,8 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 
 from api.body import Receive, read_body
-from api.errors import RequestRefused
+from api.docs import INFER_DOCS, INFER_RESPONSES, INPUT_NAME
+from api.errors import RequestRefused, quote
 from api.tensors import (
     OUTPUT_NAMES,
     InferRequest,
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 SERVER_NAME = "inference-cache"
 SERVER_VERSION = "0.1.0"  # pyproject.toml's version
 EXTENSIONS = ("binary_tensor_data",)
-INPUT_NAME = "input"
 ROUTE = "rest"  # the request log's and the metrics' name for this front door
 MAX_BATCH = 64  # elements per request
 # Elements of one batch classified at once: enough to fill a text micro-batch
@@ -61,33 +61,6 @@ IMAGE_AS_BYTES = (
     'Send the image file\'s bytes: base64 in JSON with "parameters": {"content_type": "base64"}, '
     "or as binary data."
 )
-
-_ERROR_SCHEMA = {"content": {"application/json": {"example": {"error": "The message is empty."}}}}
-_JSON_EXAMPLE = {
-    "inputs": [{"name": INPUT_NAME, "shape": [1], "datatype": "BYTES", "data": ["Where is my order?"]}],
-    "parameters": {"binary_data_output": False},
-}
-_BINARY_BODY = {
-    "type": "string",
-    "format": "binary",
-    "description": "Triton's binary tensor extension: the JSON header (Inference-Header-Content-Length "
-    "bytes), then the tensor data.",
-}
-_INFER_DOCS: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"example": _JSON_EXAMPLE},
-            "application/octet-stream": {"schema": _BINARY_BODY},
-        },
-    }
-}
-_INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"description": "Malformed request or bad input", **_ERROR_SCHEMA},
-    404: {"description": "Unknown model or version", **_ERROR_SCHEMA},
-    413: {"description": "Request body over the limit", **_ERROR_SCHEMA},
-    503: {"description": "The model failed", **_ERROR_SCHEMA},
-}
 
 
 def build_oip_router(
@@ -111,7 +84,7 @@ def build_oip_router(
                            ("/models/{model}/versions/{version}/infer", model_version_infer)):  # fmt: skip
         setattr(endpoint, _ASGI_HANDLER, serve_infer)  # before the route, which reads it
         router.add_api_route(
-            path, endpoint, methods=["POST"], openapi_extra=_INFER_DOCS, responses=_INFER_RESPONSES,
+            path, endpoint, methods=["POST"], openapi_extra=INFER_DOCS, responses=INFER_RESPONSES,
             route_class_override=_InferRoute,
         )  # fmt: skip
 
@@ -128,19 +101,19 @@ def build_oip_router(
         # The app answers /v2 only once the models are loaded (its readiness gate).
         return {"ready": True}
 
-    @router.get("/models/{model}", responses={404: _INFER_RESPONSES[404]})
+    @router.get("/models/{model}", responses={404: INFER_RESPONSES[404]})
     def model_metadata(model: str, request: Request) -> Response:
         return _answer(request, lambda: _metadata(model, _model(engine, model)))
 
-    @router.get("/models/{model}/versions/{version}", responses={404: _INFER_RESPONSES[404]})
+    @router.get("/models/{model}/versions/{version}", responses={404: INFER_RESPONSES[404]})
     def model_version_metadata(model: str, version: str, request: Request) -> Response:
         return _answer(request, lambda: _metadata(model, _model(engine, model, version)))
 
-    @router.get("/models/{model}/ready", responses={404: _INFER_RESPONSES[404]})
+    @router.get("/models/{model}/ready", responses={404: INFER_RESPONSES[404]})
     def model_ready(model: str, request: Request) -> Response:
         return _answer(request, lambda: _readiness(model, _model(engine, model)))
 
-    @router.get("/models/{model}/versions/{version}/ready", responses={404: _INFER_RESPONSES[404]})
+    @router.get("/models/{model}/versions/{version}/ready", responses={404: INFER_RESPONSES[404]})
     def model_version_ready(model: str, version: str, request: Request) -> Response:
         return _answer(request, lambda: _readiness(model, _model(engine, model, version)))
 
@@ -190,6 +163,7 @@ class DirectInfer:
             log.exception("infer failed: %s %s", scope["method"], scope["path"][:200])
             if not started:
                 await _send(send, 500, _error_body("Internal server error."), b"application/json")
+
 
 Scope = MutableMapping[str, Any]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -289,10 +263,11 @@ def _error_body(message: str) -> bytes:
 def _model(engine: InferenceEngine, task: str, version: str | None = None) -> Classifier:
     model = engine.models.get(task)
     if model is None:
-        raise RequestRefused(404, f"Unknown model {task!r}. Models: {', '.join(sorted(engine.models))}.")
+        raise RequestRefused(404, f"Unknown model {quote(task)}. Models: {', '.join(sorted(engine.models))}.")
     if version is not None and version != model.version:
         # A pinned version is a promise about which weights answer: never another's.
-        raise RequestRefused(404, f"Model {task!r} has no version {version!r}; it serves {model.version!r}.")
+        raise RequestRefused(404, f"Model {task!r} has no version {quote(version)}; it serves "
+                                  f"{model.version!r}.")  # fmt: skip
     return model
 
 

@@ -9,6 +9,12 @@ is little-endian IEEE 754.
 This module knows nothing of models or the cache: it turns a body into an `InferRequest`
 and output tensors into a body, and says precisely what is wrong with a malformed one
 (RequestRefused 400).
+
+Hostile bodies cost bounded work: what the caller controls is bounded before any work
+proportional to it is done. The JSON's count of values before it is parsed (MAX_JSON_VALUES),
+integers while it is parsed (MAX_INT_DIGITS), a shape's dimensions before they are multiplied
+(MAX_DIMS, each at most the element limit, the product checked as it grows), binary elements
+as they are split, and every value quoted in a message (`api.errors.quote`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +30,24 @@ import numpy as np
 import orjson
 
 from api.body import byte_count
-from api.errors import RequestRefused
+from api.errors import RequestRefused, quote
 
 OUTPUT_NAMES = ("label", "score")
 _CONTENT_TYPES = (None, "str", "base64")
 _LENGTH = struct.Struct("<I")
+# Dimensions of an input's shape: TensorRT's Dims::MAX_DIMS, the most any Triton backend takes.
+# A BYTES batch here is [N] or [N, 1]; the cap keeps the product a handful of multiplications.
+MAX_DIMS = 8
+# Digits of an integer in the JSON. Every integer a request holds (a dimension, a byte count)
+# fits 64 bits, 20 digits, as orjson takes them; the standard parser (the fallback) refuses a
+# longer one at once instead of converting thousands of digits (quadratic) or failing on
+# Python's 4,300-digit limit.
+MAX_INT_DIGITS = 20
+# Values (counted as commas and opening brackets) in the JSON, checked before it is parsed:
+# each costs an object (`[],` x 9 million, 27 MB, took orjson 2.7 s and 650 MB). A request
+# needs a few dozen; the cap is above any real one at the default limits (64 elements of
+# 2,000 characters of text, every character a comma) and bounds a parse to ~15 ms and ~8 MB.
+MAX_JSON_VALUES = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -76,7 +94,7 @@ def parse_infer_request(
     params = _params(tensor, f"input {input_name!r}")
     content_type = params.get("content_type")
     if content_type not in _CONTENT_TYPES:
-        raise _refuse(f"content_type {content_type!r} is not supported; use 'str' or 'base64'.")
+        raise _refuse(f"content_type {quote(content_type)} is not supported; use 'str' or 'base64'.")
     binary_size = params.get("binary_data_size")
     if binary_size is None:
         if json_end != len(body):
@@ -105,11 +123,18 @@ def _json_end(body: bytes, header_length: str | None) -> int:
     length = byte_count(header_length)
     if length is None or not 0 < length <= len(body):
         raise _refuse(f"Inference-Header-Content-Length must be a byte count between 1 and the body's "
-                      f"{len(body)}; got {header_length!r}.")  # fmt: skip
+                      f"{len(body)}; got {quote(header_length)}.")  # fmt: skip
     return length
 
 
 def _load_json(data: bytes) -> dict[str, Any]:
+    # A body this short cannot hold more values than the cap (each takes 2 bytes or more):
+    # the count, 1 ms per MB, is paid only by large bodies, never by a hit's small one.
+    if len(data) > 2 * MAX_JSON_VALUES:
+        values = data.count(b",") + data.count(b"[") + data.count(b"{")
+        if values > MAX_JSON_VALUES:
+            raise _refuse(f"The request's JSON holds too many values (over {MAX_JSON_VALUES:,}); a request "
+                          "needs a few. Send large data as one string, or as binary data.")  # fmt: skip
     try:
         header = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -123,10 +148,17 @@ def _load_json(data: bytes) -> dict[str, Any]:
 
 def _load_json_slowly(data: bytes) -> Any:
     try:
-        return json.loads(data)
+        return json.loads(data, parse_int=_bounded_int)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8 or nested too deeply"
         raise _refuse(f"The request body is not valid JSON: {detail}.") from None
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits) > MAX_INT_DIGITS + 1:  # +1: a sign
+        raise _refuse(f"The request holds an integer of {len(digits):,} digits; at most {MAX_INT_DIGITS} are "
+                      "accepted.")  # fmt: skip
+    return int(digits)
 
 
 def _single_input(header: dict[str, Any], input_name: str) -> dict[str, Any]:
@@ -140,21 +172,32 @@ def _single_input(header: dict[str, Any], input_name: str) -> dict[str, Any]:
         raise _refuse("Each input must be a JSON object.")
     if tensor.get("name") != input_name:
         name = tensor.get("name")
-        raise _refuse(f"Unknown input {name!r}; this model takes one input named {input_name!r}.")
+        raise _refuse(f"Unknown input {quote(name)}; this model takes one input named {input_name!r}.")
     if tensor.get("datatype") != "BYTES":
-        raise _refuse(f"Input {input_name!r} must have datatype BYTES, not {tensor.get('datatype')!r}.")
+        raise _refuse(f"Input {input_name!r} must have datatype BYTES, not {quote(tensor.get('datatype'))}.")
     return tensor
 
 
 def _element_count(tensor: dict[str, Any], input_name: str, max_elements: int) -> int:
+    """The shape's element count, bounded before it is computed: at most MAX_DIMS dimensions,
+    each at most `max_elements` (a shape of 60,000 dimensions of 2**62 would otherwise be a
+    product of a million digits, held under the GIL for seconds), the product checked as it
+    grows. Only a shape found small is quoted."""
     shape = tensor.get("shape")
-    if not isinstance(shape, list) or not shape or not all(_is_count(d) for d in shape):
+    if not isinstance(shape, list) or not shape:
         raise _refuse(f"Input {input_name!r} needs a shape: a list of non-negative integers, e.g. [1].")
-    count = math.prod(shape)
-    if count == 0:
-        raise _refuse(f"Input {input_name!r} has no elements (shape {shape}).")
-    if count > max_elements:
-        raise _refuse(f"At most {max_elements} elements per request; shape {shape} holds {count}.")
+    if len(shape) > MAX_DIMS:
+        raise _refuse(f"Input {input_name!r} has a shape of {len(shape):,} dimensions; at most {MAX_DIMS}.")
+    if not all(_is_count(d) for d in shape):
+        raise _refuse(f"Input {input_name!r} needs a shape: a list of non-negative integers, e.g. [1].")
+    if 0 in shape:
+        raise _refuse(f"Input {input_name!r} has no elements (a dimension of its shape is 0).")
+    count = 1
+    for dim in shape:
+        count *= dim if dim <= max_elements else max_elements + 1  # never a product past the cap
+        if count > max_elements:
+            raise _refuse(f"At most {max_elements} elements per request; the shape of input "
+                          f"{input_name!r} holds more.")  # fmt: skip
     return count
 
 
@@ -173,7 +216,7 @@ def _flag(value: Any, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _refuse(f"{name} must be true or false, not {value!r}.")
+        raise _refuse(f"{name} must be true or false, not {quote(value)}.")
     return value
 
 
@@ -206,20 +249,23 @@ def _binary_section(body: bytes, start: int, size: Any, input_name: str) -> byte
         raise _refuse(f"binary_data_size of input {input_name!r} must be a non-negative integer.")
     available = len(body) - start
     if available < size:
-        raise _refuse(f"Input {input_name!r} declares binary_data_size {size}, but only {available} bytes "
-                      "follow the JSON header (is Inference-Header-Content-Length set?).")  # fmt: skip
+        raise _refuse(f"Input {input_name!r} declares binary_data_size {quote(size)}, but only {available} "
+                      "bytes follow the JSON header (is Inference-Header-Content-Length set?).")  # fmt: skip
     if available > size:
         raise _refuse(f"{available - size} unexpected bytes follow input {input_name!r}'s binary data.")
     return body[start:]
 
 
 def _split_bytes(raw: bytes, count: int) -> list[bytes]:
-    """BYTES elements from their binary form: 4-byte little-endian length, then the bytes."""
+    """BYTES elements from their binary form: 4-byte little-endian length, then the bytes.
+    Stops at the first element past `count` (26 MB of empty elements are 6.7 million)."""
     elements: list[bytes] = []
     offset = 0
     while offset < len(raw):
         if len(raw) - offset < _LENGTH.size:
             raise _refuse(f"Binary BYTES data is malformed: {len(raw) - offset} stray bytes at the end.")
+        if len(elements) == count:
+            raise _refuse(f"The shape holds {count} elements but the binary data holds more.")
         (length,) = _LENGTH.unpack_from(raw, offset)
         offset += _LENGTH.size
         if length > len(raw) - offset:
@@ -260,7 +306,7 @@ def _requested_outputs(header: dict[str, Any]) -> tuple[RequestedOutput, ...]:
     for output in outputs:
         name = output.get("name") if isinstance(output, dict) else None
         if name not in OUTPUT_NAMES:
-            raise _refuse(f"Unknown output {name!r}; this model gives 'label' and 'score'.")
+            raise _refuse(f"Unknown output {quote(name)}; this model gives 'label' and 'score'.")
         if any(r.name == name for r in requested):
             raise _refuse(f"Output {name!r} is requested twice.")
         params = _params(output, f"output {name!r}")

@@ -387,6 +387,12 @@ def _bytes_element(data: bytes) -> bytes:
     return len(data).to_bytes(4, "little") + data
 
 
+def _nested(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with the value "NESTED" a list 1,000 deep: repr() of it recursed past Python's
+    limit in a refusal message (a 500)."""
+    return {"content": json.dumps(body).replace('"NESTED"', "[" * 1000 + "]" * 1000).encode()}
+
+
 def _binary_input(size: int, count: int = 1) -> dict[str, Any]:
     return {"inputs": [{"name": "input", "shape": [count], "datatype": "BYTES",
                         "parameters": {"binary_data_size": size}}]}  # fmt: skip
@@ -461,6 +467,39 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
      "not valid gzip"),
     ("truncated gzip", {"content": gzip.compress(json.dumps(json_body(["a"])).encode())[:20],
                         "headers": {"Content-Encoding": "gzip"}}, "not one complete gzip stream"),
+    # Issue 23: bounded before any work proportional to them (each a 500, or seconds of CPU, before).
+    ("60,000 dimensions", {"json": json_body(["a"], shape=[2**62 + 1] * 60_000)},
+     "has a shape of 60,000 dimensions; at most 8"),
+    ("nine dimensions", {"json": json_body(["a"], shape=[1] * 9)}, "at most 8"),
+    ("dimensions of 2,201 digits", {"json": json_body(["a"], shape=[10**2200] * 2)},
+     "an integer of 2,201 digits; at most 20"),
+    ("a dimension past the cap", {"json": json_body(["a"], shape=[2**63, 2**63])}, "At most 64 elements"),
+    ("a product past the cap", {"json": json_body(["a"], shape=[8, 8, 2])}, "At most 64 elements"),
+    ("a zero beside a huge dimension", {"json": json_body([], shape=[0, 2**64 - 1])}, "has no elements"),
+    # orjson reads an integer past 64 bits as a float (1e30) and refuses one past a double.
+    ("a huge integer anywhere", {"json": {**json_body(["a"]), "parameters": {"priority": 10**400}}},
+     "an integer of 401 digits"),
+    ("binary_data_size past 64 bits", _binary_request(_binary_input(10**25), _bytes_element(b"hi")),
+     "binary_data_size of input 'input' must be a non-negative integer"),
+    ("binary_data_size of 64 bits", _binary_request(_binary_input(2**64 - 1), _bytes_element(b"hi")),
+     "declares binary_data_size 18446744073709551615, but only 6 bytes"),
+    ("header length of 5,000 digits", {"content": json.dumps(json_body(["a"])).encode(),
+                                       "headers": {"Inference-Header-Content-Length": "9" * 5000}},
+     "Inference-Header-Content-Length must be a byte count"),
+    ("a million empty binary elements", _binary_request(_binary_input(4_000_000), b"\0" * 4_000_000),
+     "The shape holds 1 elements but the binary data holds more"),
+    ("too many JSON values", {"content": b'{"inputs": [' + b"[]," * 200_000 + b"[]]}"},
+     "holds too many values (over 131,072)"),
+    ("a name nested 1,000 deep", _nested({"inputs": [{"name": "NESTED"}]}), "Unknown input a list"),
+    ("a datatype nested 1,000 deep", _nested({"inputs": [{"name": "input", "datatype": "NESTED"}]}),
+     "must have datatype BYTES, not a list"),
+    ("binary_data_output nested 1,000 deep",
+     _nested({**json_body(["a"]), "parameters": {"binary_data_output": "NESTED"}}),
+     "binary_data_output must be true or false, not a list"),
+    ("an output name nested 1,000 deep", _nested({**json_body(["a"]), "outputs": [{"name": "NESTED"}]}),
+     "Unknown output a list"),
+    ("content_type nested 1,000 deep", _nested(json_body(["a"], parameters={"content_type": "NESTED"})),
+     "content_type a list is not supported"),
 ]  # fmt: skip
 
 
