@@ -185,9 +185,9 @@ def image_key_times(models: Models, recipe: CommonRecipe, photos: Sequence[bytes
         sync=synchronizer(model.device),
     )
     return KeyTimes(
-        ours_raw=KeyTime("ours: raw key, xxh3-128 of the upload (every repeat request)", m["raw"], m["raw"]),
+        ours_raw=KeyTime("ours: raw key, BLAKE3-128 of the upload (every repeat request)", m["raw"], m["raw"]),
         ours_canonical=KeyTime(
-            "ours: canonical key, xxh3-128 of the pixels (first request)", m["xxh3"], m["xxh3 from input"]
+            "ours: canonical key, BLAKE3-128 of the pixels (first request)", m["xxh3"], m["xxh3 from input"]
         ),
         peers={
             RECIPE: KeyTime("common recipe: md5 of the float tensor", m["md5"], m["md5 from input"]),
@@ -225,9 +225,9 @@ def text_key_times(models: Models, recipe: CommonRecipe, messages: Sequence[str]
         sync=synchronizer(model.device),
     )
     return KeyTimes(
-        ours_raw=KeyTime("ours: raw key, xxh3-128 of the str (every repeat request)", m["raw"], m["raw"]),
+        ours_raw=KeyTime("ours: raw key, BLAKE3-128 of the str (every repeat request)", m["raw"], m["raw"]),
         ours_canonical=KeyTime(
-            "ours: canonical key, xxh3-128 of the cleaned text (first request)",
+            "ours: canonical key, BLAKE3-128 of the cleaned text (first request)",
             m["xxh3"],
             m["xxh3 from input"],
         ),

@@ -167,7 +167,7 @@ HOW_IT_WORKS = """
    picture as PNG, BMP or lossless WebP is one input; a message is Unicode-normalised, its
    spacing collapsed and its case folded. A cheaper key on the raw upload skips decoding
    when the very same file comes back.
-2. **Key.** `prefix:task:model_version:generation:xxh3-128(canonical input)`. The model
+2. **Key.** `prefix:task:model_version:generation:b3 + BLAKE3-128(canonical input)`. The model
    version is a digest of the weights (and the intent set), so new weights never meet old
    answers; the generation is bumped by an operator to retire every entry at once.
 3. **Tiers.** Process memory (L1, LRU by bytes) answers in microseconds; Redis (L2), shared by
