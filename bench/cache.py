@@ -185,7 +185,7 @@ def image_key_times(models: Models, recipe: CommonRecipe, photos: Sequence[bytes
         sync=synchronizer(model.device),
     )
     return KeyTimes(
-        ours_raw=KeyTime("ours: raw key, BLAKE3-128 of the upload (every repeat request)", m["raw"], m["raw"]),
+        ours_raw=KeyTime("ours: raw key, BLAKE3-128 of the upload (every request)", m["raw"], m["raw"]),
         ours_canonical=KeyTime(
             "ours: canonical key, BLAKE3-128 of the pixels (first request)", m["xxh3"], m["xxh3 from input"]
         ),
