@@ -258,6 +258,10 @@ class Settings:
     port: int = 7860
     host: str = "0.0.0.0"
     device: str = "auto"  # auto | cpu | cuda
+    # The forward pass (engine.models.onnx_backend): auto = onnxruntime on the CPU, torch on CUDA.
+    inference_backend: str = "auto"
+    # Where ONNX exports are kept, one file per model version (None: DATA_DIR/onnx).
+    onnx_export_dir: Path | None = None
     # CUDA only: run the image model in float16. Part of the model version.
     half_precision: bool = False
     # None: start a private redis-server when installed; "off": no L2; else a URL of
@@ -291,6 +295,12 @@ class Settings:
     max_upload_bytes: int = 20 * MIB
     max_image_pixels: int = 40_000_000
     max_text_chars: int = 2000
+    # Request heads (ui.limits): the URL and headers together, the URL alone, how many headers.
+    max_header_bytes: int = 32 * 1024
+    max_url_bytes: int = 8 * 1024
+    max_header_count: int = 100
+    # Bodies of Gradio's call, queue and component routes (uploads have MAX_UPLOAD_BYTES).
+    max_gradio_body_bytes: int = MIB
     log_retention_days: float = 30.0
     log_max_rows: int = 1_000_000
     # Concurrent misses of a model that batches (the text model) share one forward pass of
@@ -319,6 +329,10 @@ class Settings:
         return self.miss_concurrency_cuda if device.startswith("cuda") else self.miss_concurrency_cpu
 
     @property
+    def export_dir(self) -> Path:
+        return self.onnx_export_dir or self.data_dir / "onnx"
+
+    @property
     def l2_disabled(self) -> bool:
         return self.redis_url == "off"
 
@@ -338,6 +352,8 @@ class Settings:
             port=_int(env, "PORT", 7860, minimum=1),
             host=env.get("HOST", "0.0.0.0").strip() or "0.0.0.0",
             device=_choice(env, "DEVICE", "auto", ("auto", "cpu", "cuda")),
+            inference_backend=_choice(env, "INFERENCE_BACKEND", "auto", ("auto", "torch", "onnxruntime")),
+            onnx_export_dir=Path(d) if (d := env.get("ONNX_EXPORT_DIR", "").strip()) else None,
             half_precision=_choice(env, "HALF_PRECISION", "0", ("0", "1", "false", "true")) in ("1", "true"),
             redis_url=redis_url,
             data_dir=Path(env.get("DATA_DIR", "").strip() or "data"),
@@ -365,6 +381,10 @@ class Settings:
             max_upload_bytes=_int(env, "MAX_UPLOAD_BYTES", 20 * MIB, minimum=1),
             max_image_pixels=_bounded_pixels(env),
             max_text_chars=_int(env, "MAX_TEXT_CHARS", 2000, minimum=1),
+            max_header_bytes=_int(env, "MAX_HEADER_BYTES", 32 * 1024, minimum=4096),
+            max_url_bytes=_int(env, "MAX_URL_BYTES", 8 * 1024, minimum=1024),
+            max_header_count=_int(env, "MAX_HEADER_COUNT", 100, minimum=20),
+            max_gradio_body_bytes=_int(env, "MAX_GRADIO_BODY_BYTES", MIB, minimum=64 * 1024),
             log_retention_days=_float(env, "LOG_RETENTION_DAYS", 30.0, minimum=0.001),
             log_max_rows=_int(env, "LOG_MAX_ROWS", 1_000_000, minimum=100),
             cache_signing_keys=_signing_keys(env),

@@ -1,23 +1,25 @@
 """The cached-call shortcut (ui.cached_calls): Gradio's two-step API answered without
-Gradio for cached inputs, exactly as Gradio answers; everything else left to Gradio."""
+Gradio for cached inputs, exactly as Gradio answers; everything else left to Gradio.
+(tests/test_gradio_differential.py compares it with plain Gradio request by request.)"""
 
 from __future__ import annotations
 
-import json
 import logging
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from gradio.server_messages import HeartbeatMessage
 from gradio_client import Client
-from starlette.routing import Mount
 
-from bench.gradio_http import GradioHttpClient, Reply
+from bench.gradio_http import GradioHttpClient, Reply, parse_event_stream
 from storage.embedded_redis import free_port
 from tests.conftest import CountingTextModel
 from ui.cached_calls import PENDING_CAPACITY, PENDING_TTL_S, CachedCalls
+from ui.call_protocol import RefusalLog
 from ui.server import BackgroundServer, build_app
 
 VOLATILE = {"latency_ms", "age_s"}
@@ -31,7 +33,7 @@ def serve_shortcut(make_runtime) -> Iterator[Callable[..., tuple[str, CachedCall
     def start(**runtime_args: Any) -> tuple[str, CachedCalls]:
         app = build_app(make_runtime(**runtime_args))
         servers.append(BackgroundServer(app, port=free_port()).start())
-        return servers[-1].url, next(r.app for r in app.routes if isinstance(r, Mount))
+        return servers[-1].url, app.state.cached_calls
 
     yield start
     for server in servers:
@@ -49,13 +51,19 @@ def test_a_cached_message_is_answered_as_gradio_answers_it(serve_shortcut) -> No
         miss = http.call("classify_text", ["Where is my parcel?"]).outputs
         assert miss[1]["tier"] == "miss" and shortcut.answered == 0  # a miss is Gradio's
         hit = http.call("classify_text", ["Where is my parcel?  "]).outputs
-    assert shortcut.answered == 1 and model.calls == 1
+        # The "Use via API" snippet: named parameters, and its GET under /call/v2 too.
+        v2 = "/gradio_api/call/v2/classify_text"
+        queued = http.http.post(v2, json={"message": "Where is my parcel?"})
+        named = parse_event_stream(http.http.get(f"{v2}/{queued.json()['event_id']}").text)
+    assert shortcut.answered == 2 and model.calls == 1
     # The same hit through Gradio's own queue probe (gradio_client speaks the /queue protocol).
     label, info = Client(url + "/", verbose=False).predict("Where is my parcel?", api_name="/classify_text")
-    assert info["tier"] == "l1" and shortcut.answered == 1
+    assert info["tier"] == "l1" and shortcut.answered == 2
     assert hit[0] == miss[0]  # the rendered gr.Label value
     assert label == miss[0]
     assert stable(hit[1]) == {**stable(miss[1]), "tier": "l1"} == stable(info)
+    assert named is not None and named[0] == "complete" and named[1][0] == hit[0]
+    assert stable(named[1][1]) == stable(hit[1])
 
 
 def test_misses_and_bad_input_reach_gradio_with_their_body(serve_shortcut) -> None:
@@ -90,45 +98,13 @@ def test_a_cached_upload_is_answered_and_only_real_uploads_are_read(
 def test_unread_answers_are_bounded(serve_shortcut) -> None:
     clock = [0.0]
     _, served = serve_shortcut(models={"text": CountingTextModel()})
-    shortcut = CachedCalls(served.gradio_app, served._engine, {}, clock=lambda: clock[0])
+    shortcut = CachedCalls(served._gradio_app, served._engine, {}, clock=lambda: clock[0])
     for i in range(PENDING_CAPACITY + 10):
         shortcut._remember(f"event-{i}", b"[]")
     assert len(shortcut._pending) == PENDING_CAPACITY and "event-0" not in shortcut._pending
     clock[0] = PENDING_TTL_S + 1
     shortcut._remember("late", b"[]")
     assert list(shortcut._pending) == ["late"]
-
-
-
-
-def test_calls_gradio_would_fail_with_a_500_are_refused_with_400(serve_shortcut, real_models, caplog) -> None:
-    url, shortcut = serve_shortcut(models=real_models)
-    file_ref = {"_type": "gradio.FileData"}
-    refused = {
-        "classify_text": [b'{"data": []}', b'{"data": "abc"}', b'[1]', b'{"data": ["\xff"]}', b"[" * 20_000],
-        "classify_image": [
-            b'{"data": [5]}',
-            b'{"data": ["/etc/passwd"]}',
-            b'{"data": ["data:image/png;base64,iVBORw0KGgo="]}',
-            json.dumps({"data": [{"path": 5, "meta": file_ref}]}).encode(),
-        ],
-    }
-    caplog.set_level(logging.WARNING, logger="ui.cached_calls")
-    with httpx.Client(base_url=url, timeout=30) as http:
-        for api_name, bodies in refused.items():
-            for body in bodies:
-                reply = http.post(f"/gradio_api/call/{api_name}", content=body,
-                                  headers={"content-type": "application/json"})  # fmt: skip
-                assert reply.status_code == 400, (api_name, body[:40], reply.text)
-                assert reply.json()["detail"] and "Traceback" not in reply.text
-        # Still serving, and Gradio's own leniency kept: a number is a message to its Textbox.
-        with GradioHttpClient(url, timeout_s=30.0) as client:
-            answered = client.call("classify_text", ["Where is my parcel?"]).outputs
-            lenient = client.call("classify_text", [12345])
-    assert answered[1]["tier"] == "miss" and lenient.event == "complete"
-    warnings = [r for r in caplog.records if "refused a call" in r.getMessage()]
-    assert len(warnings) == sum(len(bodies) for bodies in refused.values())
-    assert shortcut.answered == 0
 
 
 def test_an_unknown_api_name_is_404(serve_shortcut) -> None:
@@ -138,3 +114,99 @@ def test_an_unknown_api_name_is_404(serve_shortcut) -> None:
         known = http.post("/gradio_api/call/classify_text", json={"data": ["hello"]})
     assert unknown.status_code == 404 and "/gradio_api/info" in unknown.json()["detail"]
     assert known.status_code == 200 and known.json()["event_id"]
+
+
+def test_refusals_are_logged_once_per_client_per_minute(serve_shortcut, caplog) -> None:
+    clock = [0.0]
+    logger = logging.getLogger("test.refusals")
+    refusals = RefusalLog(logger, clock=lambda: clock[0])
+    caplog.set_level(logging.WARNING, logger="test.refusals")
+    for _ in range(5):
+        refusals.refused("10.0.0.1", "a bad call")
+    refusals.refused("10.0.0.2", "a bad call")
+    clock[0] = 61.0
+    refusals.refused("10.0.0.1", "a bad call")
+    lines = [r.getMessage() for r in caplog.records if r.name == "test.refusals"]
+    assert lines == [
+        "refused a bad call from 10.0.0.1",
+        "refused a bad call from 10.0.0.2",
+        "refused a bad call from 10.0.0.1 (4 more refused since the last line)",
+    ]
+    # Served: 40 result streams of unknown event ids from one client, one line.
+    url, _ = serve_shortcut(models={"text": CountingTextModel()})
+    caplog.set_level(logging.WARNING, logger="ui.cached_calls")
+    with httpx.Client(base_url=url, timeout=10) as http:
+        streams = [http.get(f"/gradio_api/call/classify_text/{i:032x}").text for i in range(40)]
+    assert all(stream == 'event: error\ndata: "404: Not Found"\n\n' for stream in streams)
+    logged = [r for r in caplog.records if r.name == "ui.cached_calls"]
+    assert len(logged) == 1 and "unknown event id" in logged[0].getMessage() and not logged[0].exc_info
+
+
+def test_a_stream_whose_session_goes_away_ends_cleanly(serve_shortcut, capfd) -> None:
+    """A client reads the stream of a call still running when the call's session queue is
+    evicted (a full table, ui.lean_sessions.SessionQueues): Gradio sends its 404 event, then
+    raises into a response already started. The client gets the event and a clean end, and
+    no traceback is logged."""
+    url, shortcut = serve_shortcut(models={"text": CountingTextModel(delay_s=1.0)})
+    table = shortcut._blocks._queue.pending_messages_per_session
+    capfd.readouterr()
+    with httpx.Client(base_url=url, timeout=30) as http:
+        call = "/gradio_api/call/classify_text"
+        event_id = http.post(call, json={"data": ["a slow miss"]}).json()["event_id"]
+        with http.stream("GET", f"{call}/{event_id}") as stream:
+            messages = table[event_id]
+            table.evict(event_id)
+            messages.put_nowait(HeartbeatMessage())  # wakes the stream, as Gradio's heartbeat task may
+            text = stream.read().decode()
+        time.sleep(1.5)  # the call finishes meanwhile: it must not post into the queue that is gone
+    assert text.endswith('event: error\ndata: "404: Not Found"\n\n'), text
+    assert "Traceback" not in capfd.readouterr().err
+
+
+CROSS_SITE_CALLS_JS = """async ({api, messages}) => {
+    const results = [];
+    for (const [route, body] of messages) {
+        try {
+            const queued = await fetch(`${api}/gradio_api/call/${route}`, {
+                method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)});
+            const {event_id} = await queued.json();
+            const stream = await fetch(`${api}/gradio_api/call/${route}/${event_id}`);
+            results.push(await stream.text());
+        } catch (error) {
+            results.push(`failed: ${error}`);
+        }
+    }
+    return results;
+}"""
+
+
+@pytest.mark.browser
+def test_a_page_on_another_site_reads_cached_answers(serve_shortcut) -> None:
+    """In Chromium, a page on another origin calls the API of a Space (a Host that is not
+    localhost, so Gradio's CORS rule allows it): cached answers pass CORS as Gradio's do."""
+    from playwright.sync_api import sync_playwright
+
+    url, shortcut = serve_shortcut(models={"text": CountingTextModel()})
+    port = url.rsplit(":", 1)[1]
+    space, page_origin = f"http://myspace.test:{port}", f"http://othersite.test:{port}"
+    message = "Where is my parcel?"
+    calls = [["classify_text", {"data": [message]}], ["classify_text", {"data": [message]}],
+             ["v2/classify_text", {"message": message}]]  # fmt: skip
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path="/usr/bin/chromium", headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--host-resolver-rules=MAP myspace.test 127.0.0.1, MAP othersite.test 127.0.0.1"],
+        )  # fmt: skip
+        try:
+            page = browser.new_page()
+            # Another origin (another host name), served from loopback so that Chromium lets it
+            # reach a loopback address at all (Private Network Access).
+            page.goto(f"{page_origin}/healthz")
+            results = page.evaluate(CROSS_SITE_CALLS_JS, {"api": space, "messages": calls})
+        finally:
+            browser.close()
+    finals = [parse_event_stream(text) if not text.startswith("failed") else text for text in results]
+    assert [f[0] if isinstance(f, tuple) else f for f in finals] == ["complete"] * 3, results
+    assert [f[1][1]["tier"] for f in finals] == ["miss", "l1", "l1"]
+    assert shortcut.answered == 2  # the cached calls, both routes, answered in front of Gradio

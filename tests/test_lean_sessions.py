@@ -7,22 +7,30 @@ leave no session and none of Gradio's bookkeeping behind once answered; sessions
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import gradio as gr
 import httpx
 import pytest
 from gradio.state_holder import SessionState
+from gradio.utils import LRUCache as GradioLRUCache
 from starlette.routing import Mount
 
 from admin.tab import NOT_SIGNED_IN
 from bench.gradio_http import GradioHttpClient, Reply
+from engine.inputs import CanonicalText
+from engine.models.base import Prediction
 from runtime import Runtime
-from tests.conftest import free_port
+from tests.conftest import CountingTextModel, free_port
 from ui import lean_sessions
-from ui.lean_sessions import LeanSessionState, LeanStateHolder
+from ui.lean_sessions import LeanSessionState, LeanStateHolder, SessionQueues
 from ui.server import BackgroundServer, build_app
 
 TOKEN = "lean-sessions-test-token"
@@ -53,8 +61,8 @@ def mount_of(app: Any) -> Mount:
 
 
 def mounted(app: Any) -> Any:
-    """The Gradio app behind the cached-call shortcut (ui.cached_calls)."""
-    return mount_of(app).app.gradio_app
+    """The mounted Gradio app (the cached-call shortcut is one of its middlewares)."""
+    return mount_of(app).app
 
 
 @pytest.fixture
@@ -62,9 +70,9 @@ def served(make_runtime) -> Iterator[Served]:
     runtime = make_runtime(admin_token=TOKEN)
     app = build_app(runtime)
     # Every call through Gradio itself, cached ones included: its queue probe is what is tested.
-    gradio_app = mount_of(app).app = mounted(app)
+    app.state.cached_calls.enabled = False
     with BackgroundServer(app, port=free_port()) as server:
-        yield Served(server.url, gradio_app, runtime)
+        yield Served(server.url, mounted(app), runtime)
 
 
 @pytest.fixture
@@ -255,3 +263,157 @@ def test_sweep_keeps_a_session_until_its_answer_is_delivered(
     assert pending not in holder.one_shot
     assert pending not in queue.pending_event_ids_session
     assert pending not in queue.event_ids_to_events
+
+
+# 6. No number of session-less calls ends a session in use ---------------------------------
+
+
+def test_a_full_message_queue_table_evicts_sessions_without_state_first(demo: gr.Blocks) -> None:
+    holder = LeanStateHolder()
+    holder.set_blocks(demo)
+    queue = SimpleNamespace(pending_messages_per_session=GradioLRUCache(4), pending_event_ids_session={},
+                            event_ids_to_events={"one-shot-0": SimpleNamespace(alive=True)})  # fmt: skip
+    table = SessionQueues(queue, holder)
+    holder.session_data["browser-tab"] = LeanSessionState(demo)  # a session in use
+    table["browser-tab"] = "its messages"
+    for i in range(10):
+        table[f"one-shot-{i}"] = i
+    assert list(table) == ["browser-tab", "one-shot-7", "one-shot-8", "one-shot-9"]
+    assert not queue.event_ids_to_events["one-shot-0"].alive  # a call of a queue dropped must not post
+    # Only sessions in use left: the oldest goes, as in Gradio.
+    for name in ("a", "b", "c", "d"):
+        holder.session_data[name] = LeanSessionState(demo)
+        table[name] = name
+    assert list(table) == ["a", "b", "c", "d"]
+
+
+def fn_index(blocks: gr.Blocks, api_name: str) -> int:
+    return next(index for index, fn in blocks.fns.items() if fn.api_name == api_name)
+
+
+def queue_messages(client: GradioHttpClient, session_hash: str) -> list[dict[str, Any]]:
+    """The browser protocol's stream of a session, read to its end."""
+    stream = client.http.get("/gradio_api/queue/data", params={"session_hash": session_hash})
+    return [json.loads(line[len("data:") :]) for line in stream.text.splitlines() if line.startswith("data:")]
+
+
+def test_abandoned_calls_never_end_a_session_in_use(served: Served, client: GradioHttpClient) -> None:
+    """A tab has joined the queue (its answer waits in its session's message queue, its
+    stream not open yet); then more session-less calls than Gradio's table of message
+    queues holds, half never read: the tab's answer is still there, the admin still signed in."""
+    table = served.queue.pending_messages_per_session
+    assert isinstance(table, SessionQueues) and table.max_size == 2000  # Gradio's own bound
+    table.max_size = 40  # the browser test below fills a table of 2,000
+    assert_answered(client.call("classify_text", [CACHED]), "miss")
+    with GradioHttpClient(served.url, session_hash="admin-tab") as admin:
+        assert admin.call("admin_sign_in", [TOKEN]).outputs[0] is None
+        index = fn_index(served.blocks, "classify_text")
+        join = {"data": [CACHED], "fn_index": index, "session_hash": "browser-tab"}
+        joined = client.http.post("/gradio_api/queue/join", json=join)
+        assert joined.status_code == 200, joined.text
+        for i in range(60):
+            post_only(client, CACHED)  # never read
+            if i % 2:
+                assert_answered(client.call("classify_text", [CACHED]), "l1")
+        assert len(table) == 40  # full: evictions happened
+        messages = queue_messages(client, "browser-tab")
+        assert "stat-cards" in admin.call("admin_refresh", [None, "1h"]).outputs[0]
+    completed = [m for m in messages if m["msg"] == "process_completed"]
+    assert completed and completed[0]["output"]["data"][0]["label"] == "alpha", messages
+
+
+def test_a_second_get_of_an_answered_call_waits_as_gradio_does(
+    make_runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gradio keeps a session-less call's session once its answer is read: a second GET gets
+    heartbeats (until its client leaves). The lean holder drops the session; the shortcut
+    (ui.cached_calls) answers that GET as Gradio would."""
+    monkeypatch.setenv("GRADIO_HEARTBEAT_INTERVAL", "0.2")
+    app = build_app(make_runtime())
+    holder = mounted(app).state_holder
+    with BackgroundServer(app, port=free_port()) as server, GradioHttpClient(server.url) as client:
+        first = post_only(client, "a miss: Gradio answers it")
+        read_answer(client, first)
+        # The next session-less call's session sweeps the first one's away.
+        assert_answered(client.call("classify_text", ["another miss"]), "miss")
+        assert first not in holder.one_shot and first in holder.delivered
+        url = f"/gradio_api/call/classify_text/{first}"
+        with client.http.stream("GET", url, timeout=httpx.Timeout(10, read=2)) as stream:
+            assert stream.status_code == 200
+            assert next(stream.iter_bytes()) == b"event: heartbeat\ndata: null\n\n"
+        time.sleep(0.5)  # that client left: as in Gradio, the call is gone
+        assert client.http.get(url).text == 'event: error\ndata: "404: Not Found"\n\n'
+
+
+class GatedTextModel(CountingTextModel):
+    """The stand-in text model, whose forward pass waits for `gate` while `gated` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gated = False
+        self.gate = threading.Event()
+
+    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
+        if self.gated:
+            self.gate.wait(timeout=120)
+        return super().predict_batch(inputs)
+
+
+FLOOD_CALLS = 2_100  # more than Gradio's table of message queues holds (2,000)
+
+
+@pytest.mark.browser
+def test_a_signed_in_tab_survives_thousands_of_abandoned_calls(make_runtime) -> None:
+    """In Chromium: a tab signed into the console waits for an answer (its stream open) while
+    2,100 session-less calls go unread; the answer arrives, and the console is still signed in."""
+    from playwright.sync_api import expect, sync_playwright
+
+    model = GatedTextModel()
+    app = build_app(make_runtime(models={"text": model}, admin_token=TOKEN))
+    queue = mounted(app).get_blocks()._queue
+    with BackgroundServer(app, port=free_port()) as server, sync_playwright() as playwright:
+        with GradioHttpClient(server.url) as warm:
+            assert_answered(warm.call("classify_text", [CACHED]), "miss")
+        browser = playwright.chromium.launch(
+            executable_path="/usr/bin/chromium", headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )  # fmt: skip
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto(server.url + "/")
+            page.get_by_role("tab", name="Admin").click()
+            page.locator("#admin-token input").fill(TOKEN)
+            page.locator("#admin-signin").click()
+            expect(page.locator("#admin-console")).to_be_visible(timeout=15_000)
+            page.get_by_role("tab", name="Text").click()
+            page.locator("#text-input textarea").fill("a message the model takes its time over")
+            model.gated = True
+            page.locator("#text-submit").click()
+            flood(server.url, FLOOD_CALLS)
+            assert len(queue.pending_messages_per_session) == 2000  # Gradio's table is full
+            model.gate.set()
+            expect(page.locator("#text-label").get_by_role("heading")).to_have_text("alpha", timeout=30_000)
+            page.get_by_role("tab", name="Admin").click()
+            page.locator("#admin-refresh").click()
+            expect(page.locator("#admin-cards")).to_contain_text("Hit rate", timeout=15_000)
+            expect(page.locator("body")).not_to_contain_text("404")
+            expect(page.locator("#admin-console")).to_be_visible()
+            assert not errors, errors
+        finally:
+            model.gate.set()
+            browser.close()
+
+
+def flood(url: str, calls: int) -> None:
+    """`calls` session-less calls that reach Gradio (an extra item: not the shortcut's), never read."""
+
+    def send(count: int) -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(count):
+                queued = http.post("/gradio_api/call/classify_text", json={"data": [CACHED, "extra"]})
+                assert queued.status_code == 200, queued.text
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(send, [calls // 4 + (i < calls % 4) for i in range(4)]))

@@ -26,3 +26,13 @@ async def respond(
     start = [(b"content-type", content_type.encode()), (b"content-length", str(len(payload)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": start + (headers or [])})
     await send({"type": "http.response.body", "body": payload})
+
+
+def replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that first hands back `messages` (a body already read), then `receive`'s."""
+    queued = list(messages)
+
+    async def replayed() -> Message:
+        return queued.pop(0) if queued else await receive()
+
+    return replayed

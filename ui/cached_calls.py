@@ -1,18 +1,24 @@
-"""A lean probe for Gradio's two-step HTTP API: cached answers without entering Gradio.
+"""A lean probe for Gradio's two-step HTTP API: cached answers without Gradio's routing and queue.
 
-`POST /gradio_api/call/<api>` then `GET /gradio_api/call/<api>/<event_id>` is how curl, the
-"Use via API" page and HTTP clients call the app. Gradio spends 4–5 ms of server CPU on such
-a call even when its queue probe finds the answer cached (its routing, session, queue and
-event bookkeeping), 60 times the engine's own hit. `CachedCalls` sits in front of the
-mounted Gradio app and answers those calls whose answer is already cached, from the engine
-(the same probe Gradio's queue runs): a message, or an image that names a file this app's
-Gradio received through its upload route (exactly a path in `Blocks.upload_file_set`,
-stricter than Gradio's own check). Its outputs are rendered by the event's own output
-components as Gradio renders them, and its event id handed back for the GET, which streams
-the same `complete` event Gradio would. A call whose body Gradio would fail with a 500 (not
-JSON, no input, an image input that is not a file reference) is refused here with 400. Everything
-else (a miss, input the engine refuses, any other file reference, the `/queue` protocol of
-browsers and gradio_client) goes to Gradio untouched, body and all.
+`POST /gradio_api/call/<api>` (`{"data": [...]}`) or `POST /gradio_api/call/v2/<api>` (named
+parameters, the snippet of the "Use via API" page), then `GET .../<event_id>`, is how curl,
+HTTP clients and other sites' JavaScript call the app. Gradio spends 4–5 ms of server CPU on
+such a call even when its queue probe finds the answer cached. `CachedCalls` answers the calls
+whose answer is already cached, from the engine (the same probe Gradio's queue runs): a
+message, or an image that names a file this app's Gradio received through its upload route
+(exactly a path in `Blocks.upload_file_set`). Its outputs are rendered by the event's own
+output components as Gradio renders them, and the GET streams the `complete` event Gradio would.
+
+No client can tell it is there. It is a middleware of the mounted Gradio app, inside Gradio's
+own CORS and compression middleware, so its answers carry exactly the headers Gradio's do.
+A call it does not answer (a miss, a body Gradio would refuse or fail on, input the engine
+refuses, any other file reference) goes on as it came, body and all, to the app's guard
+(ui.gradio_guard, which refuses what Gradio would turn into a 500) and Gradio; so does the
+`/queue` protocol of browsers and gradio_client. A second GET of an answered call gets what
+Gradio gives (a stream of heartbeats until the client leaves). An event id or session Gradio
+does not know gets Gradio's `404` event on a stream closed cleanly (Gradio breaks the stream
+off and logs a traceback), with one log line per client per minute. The deliberate
+differences are listed in the README ("Cached calls skip Gradio").
 """
 
 from __future__ import annotations
@@ -25,18 +31,40 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 import anyio
-from pydantic import BaseModel
+import orjson
+from gradio.route_utils import CustomCORSMiddleware
+from gradio.server_messages import UnexpectedErrorMessage
+from gradio.utils import get_heartbeat_rate
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.routing import get_route_path
 
 from engine.service import InferenceEngine
-from ui.asgi import ASGIApp, Message, Receive, Scope, Send, respond
+from ui.asgi import ASGIApp, Message, Receive, Scope, Send, replay
+from ui.call_protocol import (
+    NOT_FOUND,
+    RefusalLog,
+    body_part,
+    error_event,
+    event_stream,
+    json_body,
+    json_response,
+    named_data,
+    read_body,
+    simple_data,
+    sse_start,
+)
+from ui.lean_sessions import DeliveredIds
 
 log = logging.getLogger(__name__)
 
 
 CALL_PREFIX = "/gradio_api/call/"
-MAX_BODY_BYTES = 64 * 1024  # a longer body is not a cached message: Gradio's to handle
+QUEUE_DATA_PATH = "/gradio_api/queue/data"
 # Answers wait this long, at most this many, for their GET (Gradio keeps 2,000 sessions' worth).
 PENDING_CAPACITY = 2000
 PENDING_TTL_S = 300.0
@@ -44,74 +72,116 @@ PENDING_TTL_S = 300.0
 
 @dataclass(frozen=True)
 class CachedApi:
-    """One API name answered here: its task, its event's output components (label,
-    cache_info), how the call's one data item becomes the engine's raw input (raising
-    for anything it must leave to Gradio), and what is wrong with an item of the wrong
-    kind (None when its kind is right; by default any kind is)."""
+    """One API name answered here: its task, its event's input and output components (label,
+    cache_info), and how the call's one data item becomes the engine's raw input (raising
+    for anything it must leave to Gradio)."""
 
     task: str
+    input: Any
     outputs: Sequence[Any]
     raw_input: Callable[[Any], Any]
-    wrong_kind: Callable[[Any], str | None] = lambda item: None
 
 
 class CachedCalls:
-    """ASGI wrapper of the mounted Gradio app, answering the calls of `apis` that are cached."""
+    """Answers the calls of `apis` that are cached, as a middleware of the Gradio app once
+    `install()`ed; `enabled = False` sends every request on (a plain Gradio app, to compare)."""
 
     def __init__(
         self,
-        gradio_app: ASGIApp,
+        gradio_app: Any,
         engine: InferenceEngine,
         apis: dict[str, CachedApi],
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.gradio_app = gradio_app
+        self.app: ASGIApp = _not_wired
+        self._gradio_app = gradio_app
         self._engine = engine
         self._apis = apis
         self._clock = clock
+        self._blocks = gradio_app.get_blocks()
+        self._named: dict[str, Any] | None = None  # Gradio's API info per "/<api>", built on first use
         self._pending: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        # Answered calls a second GET may name: the lean session holder's table when installed.
+        holder_table = getattr(getattr(gradio_app, "state_holder", None), "delivered", None)
+        self._delivered: DeliveredIds = holder_table if holder_table is not None else DeliveredIds()
+        self._refusals = RefusalLog(log, clock=clock)
+        # Gradio's login (auth=...) guards these routes; this app sets none, and with one every
+        # request goes to Gradio.
+        self.enabled = getattr(gradio_app, "auth", None) is None and gradio_app.auth_dependency is None
         self.answered = 0  # calls answered here (for tests and the curious)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(CALL_PREFIX):
-            parts = scope["path"][len(CALL_PREFIX) :].strip("/").split("/")
-            if parts[0] in self._apis:
-                if len(parts) == 1 and scope["method"] == "POST":
-                    await self._call(scope, receive, send, parts[0])
-                    return
-                if len(parts) == 2 and scope["method"] == "GET" and self._answer(parts[1]) is not None:
-                    await _stream(send, self._pending.pop(parts[1])[1])
-                    return
-        await self.gradio_app(scope, receive, send)
+    def install(self) -> None:
+        """Become a middleware of the Gradio app, just inside Gradio's CORS middleware (so
+        every answer gets Gradio's CORS and compression) and in front of the app's own."""
+        stack = self._gradio_app.user_middleware
+        cors = next((i for i, m in enumerate(stack) if m.cls is CustomCORSMiddleware), len(stack) - 1)
+        stack.insert(cors + 1, Middleware(self.around))
 
-    async def _call(self, scope: Scope, receive: Receive, send: Send, api_name: str) -> None:
-        messages, complete = await _read_body(scope, receive)
-        body = b"".join(m.get("body", b"") for m in messages)
-        data: list[Any] | None = None
-        if complete:
-            data, problem = _call_data(body, self._apis[api_name])
-            if problem is not None:
-                log.warning("refused a call of %s: 400 %s", api_name, problem)
-                await respond(send, 400, {"detail": problem})
+    def around(self, app: ASGIApp) -> CachedCalls:
+        """The middleware factory Starlette calls with the app inside this one."""
+        self.app = app
+        return self
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.enabled and scope["type"] == "http":
+            path, method = get_route_path(scope), scope["method"]
+            if path.startswith(CALL_PREFIX) and method in ("POST", "GET"):
+                route = _call_route(method, path[len(CALL_PREFIX) :].split("/"))
+                if route is not None and method == "POST":
+                    await self._post(scope, receive, send, route[0], named=route[1])
+                    return
+                if route is not None:
+                    await self._get(scope, receive, send, route[0])
+                    return
+            elif path == QUEUE_DATA_PATH and method == "GET":
+                if self._unknown_session(scope):
+                    self._refused(scope, "a stream of an unknown session: 404")
+                    error = UnexpectedErrorMessage(message=NOT_FOUND, session_not_found=True).model_dump()
+                    await event_stream(b"data: " + orjson.dumps(error, default=str) + b"\n\n")(send)
+                else:
+                    await self._gradio_stream(scope, receive, send)
                 return
-        outputs = await self._cached_outputs(api_name, data) if data is not None else None
-        if outputs is None:  # not ours to answer: Gradio gets the request as it came
-            await self.gradio_app(scope, _replay(messages, receive), send)
+        await self.app(scope, receive, send)
+
+    # ---- POST: queue a call ------------------------------------------------------
+
+    async def _post(self, scope: Scope, receive: Receive, send: Send, api_name: str, *, named: bool) -> None:
+        messages, body = await read_body(receive)
+        outputs = None
+        if body is not None and api_name in self._apis:
+            request = json_body(scope, body)
+            data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
+            if data is not None:
+                outputs = await self._cached_outputs(self._apis[api_name], data)
+        if outputs is None:  # not ours to answer: on to the guard and Gradio, as it came
+            await self.app(scope, replay(messages, receive), send)
             return
         event_id = uuid.uuid4().hex
         self._remember(event_id, outputs)
         self.answered += 1
-        await respond(send, 200, {"event_id": event_id})
+        await json_response(200, {"event_id": event_id})(send)
 
-    async def _cached_outputs(self, api_name: str, data: list[Any]) -> bytes | None:
+    def _endpoint(self, api_name: str) -> dict[str, Any] | None:
+        """Gradio's /gradio_api/info entry of a named endpoint (its parameters), or None."""
+        if self._named is None:
+            self._named = self._blocks.get_api_info()["named_endpoints"]
+        return self._named.get("/" + api_name)
+
+    async def _cached_outputs(self, api: CachedApi, data: list[Any]) -> bytes | None:
         if len(data) != 1:
             return None  # Gradio ignores extra items; its answer, not ours
-        api = self._apis[api_name]
+        item = data[0]
+        model = getattr(api.input, "data_model", None)
+        if model is not None and item is not None:
+            try:  # what Gradio's preprocessing checks first (Blocks.preprocess_data)
+                model.model_validate(item, context={"validate_meta": True})
+            except ValidationError:
+                return None
 
         def probe() -> Any:
             # What Gradio's queue probe does (an L2 read or a file read may block: a thread).
-            return self._engine.classify(api.task, api.raw_input(data[0]), probe=True)
+            return self._engine.classify(api.task, api.raw_input(item), probe=True)
 
         try:
             result = await anyio.to_thread.run_sync(probe)
@@ -122,7 +192,7 @@ class CachedCalls:
             pairs = zip(api.outputs, values, strict=True)
             return json.dumps([_rendered(component, value) for component, value in pairs]).encode()
         except Exception:  # never a 500 for what Gradio itself can answer
-            log.exception("could not render a cached answer for %s; Gradio answers it", api_name)
+            log.exception("could not render a cached answer for %s; Gradio answers it", api.task)
             return None
 
     def _remember(self, event_id: str, outputs: bytes) -> None:
@@ -134,22 +204,104 @@ class CachedCalls:
                 break
             del self._pending[oldest]
 
-    def _answer(self, event_id: str) -> bytes | None:
-        entry = self._pending.get(event_id)
-        return None if entry is None else entry[1]
+    # ---- GET: the result stream --------------------------------------------------
+
+    async def _get(self, scope: Scope, receive: Receive, send: Send, event_id: str) -> None:
+        entry = self._pending.pop(event_id, None)
+        if entry is not None:
+            self._delivered.add(event_id)
+            await event_stream(b"event: complete\ndata: " + entry[1] + b"\n\n")(send)
+        elif event_id in self._delivered:
+            # Gradio keeps an answered call's session: a second GET waits on it, with heartbeats,
+            # and when that client leaves Gradio drops the session (a third GET finds none).
+            await self._heartbeats(receive, send)
+            self._delivered.discard(event_id)
+        elif self._unknown_event(event_id):
+            self._refused(scope, "a result stream of an unknown event id: 404")
+            await event_stream(error_event(NOT_FOUND))(send)
+        else:
+            await self._gradio_stream(scope, receive, send)
+
+    async def _gradio_stream(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One of Gradio's event streams. When its session goes away while it runs (evicted,
+        cleaned up), Gradio sends its 404 event, then raises an HTTPException that Starlette
+        can no longer answer: the stream would break off with a traceback in the log. It is
+        closed cleanly instead (the client has read the event)."""
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except RuntimeError as exc:
+            if not (started and isinstance(exc.__cause__, HTTPException)):
+                raise
+            self._refused(scope, f"a stream whose session went away: {exc.__cause__.status_code}")
+            await send(body_part(b"", more=False))
+
+    def _unknown_event(self, event_id: str) -> bool:
+        """Whether Gradio's GET would find no session for `event_id` (routes.simple_predict_get)."""
+        queue = self._blocks._queue
+        event = queue.event_ids_to_events.get(event_id)
+        if event is not None:
+            return event.session_hash not in queue.pending_messages_per_session
+        try:
+            sessions = (s for s, ids in queue.pending_event_ids_session.items() if event_id in ids)
+            return next(sessions, event_id) not in queue.pending_messages_per_session
+        except RuntimeError:  # changed by a call on another thread: Gradio answers
+            return False
+
+    def _unknown_session(self, scope: Scope) -> bool:
+        session = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash")
+        return bool(session) and session[-1] not in self._blocks._queue.pending_messages_per_session
+
+    async def _heartbeats(self, receive: Receive, send: Send) -> None:
+        """Gradio's stream of a session with nothing left to say: a heartbeat every
+        GRADIO_HEARTBEAT_INTERVAL seconds until the client leaves or the server stops."""
+        await send(sse_start())
+        queue = self._blocks._queue
+
+        async def beat() -> None:
+            try:
+                while True:
+                    await anyio.sleep(get_heartbeat_rate())
+                    if queue.stopped or not self._blocks.is_running:
+                        await send(body_part(error_event("Server stopped unexpectedly."), more=False))
+                        break
+                    await send(body_part(b"event: heartbeat\ndata: null\n\n"))
+            except OSError:  # the client left while a heartbeat was being written
+                pass
+            group.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(beat)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+    def _refused(self, scope: Scope, what: str) -> None:
+        client = scope.get("client")
+        self._refusals.refused(client[0] if client else "unknown", what)
 
 
-def _call_data(body: bytes, api: CachedApi) -> tuple[list[Any] | None, str | None]:
-    """A call's inputs (its "data", a non-empty list), or what is wrong with its body."""
-    try:
-        request = json.loads(body)
-    except (ValueError, RecursionError):  # invalid UTF-8 too; nesting deeper than Python's stack
-        return None, "The body must be JSON: {\"data\": [<input>]}."
-    data = request.get("data") if isinstance(request, dict) else None
-    if not isinstance(data, list) or not data:
-        return None, "The body must be a JSON object whose \"data\" is a list holding the input."
-    problem = api.wrong_kind(data[0])
-    return (None, problem) if problem is not None else (data, None)
+def _call_route(method: str, parts: list[str]) -> tuple[str, bool] | None:
+    """Which of Gradio's call routes a path after /gradio_api/call/ is: (API name, named
+    parameters) for POST <api>[/] and v2/<api>[/], (event id, False) for GET [v2/]<api>/<id>."""
+    if method == "POST":
+        if len(parts) > 1 and parts[-1] == "":
+            parts = parts[:-1]
+        named = len(parts) == 2 and parts[0] == "v2"
+        return (parts[-1], named) if (len(parts) == 1 or named) and parts[-1] else None
+    if all(parts) and (len(parts) == 2 or (len(parts) == 3 and parts[0] == "v2")):
+        return parts[-1], False
+    return None
+
+
+async def _not_wired(scope: Scope, receive: Receive, send: Send) -> None:
+    raise RuntimeError("CachedCalls runs as a middleware: Middleware(shortcut.around)")
 
 
 def _rendered(component: Any, value: Any) -> Any:
@@ -157,34 +309,3 @@ def _rendered(component: Any, value: Any) -> Any:
     rendered = component.postprocess(value)
     # Gradio's data models (LabelData, JsonData, ...) are pydantic: Gradio sends their dump.
     return rendered.model_dump() if isinstance(rendered, BaseModel) else rendered
-
-
-async def _read_body(scope: Scope, receive: Receive) -> tuple[list[Message], bool]:
-    """The request's body messages, and whether all of it was read (up to MAX_BODY_BYTES)."""
-    headers = dict(scope.get("headers") or [])
-    length = headers.get(b"content-length")
-    if length is None or not length.isdigit() or int(length) > MAX_BODY_BYTES:
-        return [], False
-    messages: list[Message] = []
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return messages, message["type"] == "http.request"
-
-
-def _replay(messages: list[Message], receive: Receive) -> Receive:
-    """A receive that first hands back the messages already read."""
-    queued = list(messages)
-
-    async def replay() -> Message:
-        return queued.pop(0) if queued else await receive()
-
-    return replay
-
-
-async def _stream(send: Send, outputs: bytes) -> None:
-    """The event stream Gradio sends for a completed call (routes.simple_predict_get)."""
-    payload = b"event: complete\ndata: " + outputs + b"\n\n"
-    await respond(send, 200, payload, content_type="text/event-stream; charset=utf-8",
-                  headers=[(b"cache-control", b"no-cache")])  # fmt: skip

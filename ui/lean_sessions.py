@@ -14,7 +14,13 @@ Gradio never forgets the bookkeeping of a call answered by its cache probe
   page; until then a call's values are kept as plain values.
 - `LeanStateHolder` keeps one-shot sessions (keyed by their own event id) in a bounded
   table of their own, so API load never evicts a browser's session, and once such a
-  call's answer has been delivered it drops the session and Gradio's bookkeeping of it.
+  call's answer has been delivered it drops the session and Gradio's bookkeeping of it
+  (remembering, in `DeliveredIds`, that it was answered: a second GET of it gets what
+  Gradio gives, see ui/cached_calls.py).
+- `SessionQueues` replaces Gradio's table of per-session message queues (an LRU of 2,000
+  that evicts the oldest, so 2,000 calls nobody fetched ended the session of a browser tab
+  opened before them): when full, it evicts the oldest queue of a session without state
+  (a one-shot call's) before any session a browser or gradio_client is using.
 
 Both lean on Gradio internals pinned at gradio==6.31.0; `tests/test_lean_sessions.py`
 checks the attributes and behaviour they rely on, so an upgrade that changes them fails
@@ -25,13 +31,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from copy import copy
 from typing import TYPE_CHECKING, Any
 
+from cachetools import LRUCache
 from gradio.state_holder import SessionState, StateHolder
+from gradio.utils import LRUCache as GradioLRUCache
 
 if TYPE_CHECKING:
     from gradio.blocks import Blocks
@@ -43,6 +52,70 @@ ONE_SHOT_CAPACITY = 2000
 ONE_SHOT_MAX_AGE_S = 300.0
 # Every this many calls, forget answered events of any session (see _forget_answered_events).
 EVENT_SWEEP_EVERY = 256
+# Answered one-shot calls remembered for a second GET: as many as Gradio keeps sessions' queues.
+DELIVERED_CAPACITY = 2000
+
+
+class DeliveredIds:
+    """The event ids of the latest one-shot calls whose answer was delivered (bounded):
+    Gradio keeps such a call's session, so a second GET of it waits with heartbeats
+    instead of finding no session, until a GET's client leaves (Gradio then drops it)."""
+
+    def __init__(self, capacity: int = DELIVERED_CAPACITY) -> None:
+        self._ids: LRUCache[str, bool] = LRUCache(maxsize=capacity)
+        self._lock = threading.Lock()  # as Gradio's StateHolder locks its tables: callers on any thread
+
+    def add(self, event_id: str) -> None:
+        with self._lock:
+            self._ids[event_id] = True
+
+    def discard(self, event_id: str) -> None:
+        with self._lock:
+            self._ids.pop(event_id, None)
+
+    def __contains__(self, event_id: object) -> bool:
+        with self._lock:
+            return event_id in self._ids
+
+
+class SessionQueues(GradioLRUCache):
+    """Gradio's `Queue.pending_messages_per_session` (an LRU of message queues per session)
+    that, when full, evicts the oldest queue of a session the state holder has no state for
+    (a one-shot call, or one not yet probed) before touching a session in use. Gradio never
+    moves a session to the end once its queue exists, so plain eviction takes the oldest
+    browser tab first."""
+
+    def __init__(self, queue: Any, holder: StateHolder) -> None:
+        table = queue.pending_messages_per_session
+        super().__init__(table.max_size)
+        self._queue = queue
+        self._holder = holder
+        for key, value in table.items():
+            super().__setitem__(key, value)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self and len(self) >= self.max_size:
+            self.evict(self._victim())
+        super().__setitem__(key, value)
+
+    def _victim(self) -> Any:
+        in_use = self._holder.session_data
+        oldest = next(iter(self))
+        try:
+            # Sessions in use are few and old: the scan passes them and stops at the first other.
+            return next((key for key in self if key not in in_use), oldest)
+        except RuntimeError:  # the holder's table changed on another thread: as Gradio does
+            return oldest
+
+    def evict(self, session: Any) -> None:
+        """Drop a session's message queue as a full table does. Its calls still to run or
+        running are marked dead first: Gradio would post their messages into the queue
+        that is gone (a KeyError in its queue worker)."""
+        for event_id in {session, *self._queue.pending_event_ids_session.get(session, ())}:
+            event = self._queue.event_ids_to_events.get(event_id)
+            if event is not None:
+                event.alive = False
+        self.pop(session, None)
 
 
 class LeanSessionState(SessionState):
@@ -102,6 +175,7 @@ class LeanStateHolder(StateHolder):
         self.one_shot: OrderedDict[str, LeanSessionState] = OrderedDict()
         self.one_shot_capacity = one_shot_capacity
         self.one_shot_max_age_s = one_shot_max_age_s
+        self.delivered = DeliveredIds()
         self._calls = 0
 
     def __getitem__(self, session_id: str) -> SessionState:
@@ -149,6 +223,10 @@ class LeanStateHolder(StateHolder):
             if not (delivered or abandoned):
                 return
             del self.one_shot[session_id]
+            # Gradio still holds a delivered call's session (until a GET of it is abandoned):
+            # a second GET gets heartbeats, so this one must remember that it was answered.
+            if delivered and session_id in queue.pending_messages_per_session:
+                self.delivered.add(session_id)
             _forget_call(queue, session_id, delivered=delivered)
 
 
@@ -189,9 +267,11 @@ def _forget_answered_events(queue: Any) -> None:
 def install_lean_sessions(mounted_app: Any, blocks: Blocks) -> LeanStateHolder:
     """Give `blocks` one `LeanStateHolder`, shared by the mounted Gradio app
     (`gradio.routes.App`, which serves requests) and `blocks.app` (the one `queue()`
-    built, through which the queue runs its cache probes)."""
+    built, through which the queue runs its cache probes), and its queue `SessionQueues`."""
     holder = LeanStateHolder()
     holder.set_blocks(blocks)
     for app in (mounted_app, blocks.app):
         app.state_holder = holder
+    queue = blocks._queue
+    queue.pending_messages_per_session = SessionQueues(queue, holder)
     return holder

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from gradio.exceptions import ComponentProcessingError, InvalidPathError
 from gradio.route_utils import FnIndexInferError
+from starlette.middleware import Middleware
 from starlette.routing import Mount
 
 from admin.api import build_router
@@ -25,12 +30,16 @@ from settings import Settings
 from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos, read_upload
 from ui.cached_calls import CachedApi, CachedCalls
+from ui.call_protocol import RefusalLog
+from ui.gradio_guard import GradioGuard
 from ui.lean_sessions import install_lean_sessions
+from ui.limits import HeaderLimits, limited_http_protocol
 from ui.startup import Runtime, ServingApp
 
 log = logging.getLogger(__name__)
 
 QUEUE_MAX_SIZE = 256
+DEFAULT_HEADERS = HeaderLimits()  # the settings' defaults, for servers built without settings
 GRACEFUL_SHUTDOWN_S = 5
 
 
@@ -56,7 +65,9 @@ def build_app(runtime: Runtime) -> FastAPI:
         app,
         demo,
         path="",
-        max_file_size=2 * settings.max_upload_bytes,  # the engine's own limit gives the clearer message
+        # The browser refuses a larger file before uploading it, with Gradio's message; an API
+        # client gets 413 from ui.limits (the upload route's body limit).
+        max_file_size=settings.max_upload_bytes,
         ssr_mode=False,
         footer_links=["api"],
         css=CARD_CSS,
@@ -78,10 +89,18 @@ def build_app(runtime: Runtime) -> FastAPI:
     # marker), which Gradio wraps in ComponentProcessingError.
     gradio_app.add_exception_handler(ComponentProcessingError, _refuse_wrapped_path)
     gradio_app.add_exception_handler(FnIndexInferError, _unknown_api)  # Gradio: a 500
+    invalid_body = partial(_invalid_body, RefusalLog(log))  # FastAPI: a 500 for a body not UTF-8
+    gradio_app.add_exception_handler(RequestValidationError, invalid_body)
+    # The other requests Gradio would fail with a 500 are refused before its routes. Last in
+    # the list: inside Gradio's CORS middleware, so refusals carry the CORS headers its own do.
+    guard = Middleware(GradioGuard, blocks=demo, max_body_bytes=settings.max_gradio_body_bytes)
+    gradio_app.user_middleware.append(guard)
     install_lean_sessions(gradio_app, demo)
-    # Cached text answers of the two-step HTTP API skip Gradio (see ui.cached_calls).
-    mount = next(r for r in app.routes if isinstance(r, Mount))
-    mount.app = CachedCalls(gradio_app, engine, _cached_call_apis(demo, engine, settings.max_upload_bytes))
+    # Cached answers of the two-step HTTP API skip Gradio's routing and queue (see ui.cached_calls):
+    # a middleware of the Gradio app just inside its CORS middleware, in front of the guard.
+    shortcut = CachedCalls(gradio_app, engine, _cached_call_apis(demo, engine, settings.max_upload_bytes))
+    shortcut.install()
+    app.state.cached_calls = shortcut
     return app
 
 
@@ -99,23 +118,13 @@ def _cached_call_apis(demo: gr.Blocks, engine: Any, max_upload_bytes: int) -> di
             raise PermissionError("not a file this app received through its upload route")
         return read_upload(Path(path), max_upload_bytes)
 
-    def not_a_file_reference(item: Any) -> str | None:
-        names_a_file = isinstance(item, dict) and any(isinstance(item.get(k), str) for k in ("path", "url"))
-        if item is None or names_a_file:
-            return None
-        return ('The input of this API is an uploaded image: {"path": "<path from /gradio_api/upload>", '
-                '"meta": {"_type": "gradio.FileData"}}.')  # fmt: skip
-
     apis = {}
     for fn in demo.fns.values():
         task = (fn.api_name or "").removeprefix("classify_")
         model = engine.models.get(task)
         if model is not None and fn.api_name == f"classify_{task}" and len(fn.inputs) == 1:
-            if takes_image(model):
-                apis[fn.api_name] = CachedApi(task, list(fn.outputs), upload, not_a_file_reference)
-            else:
-                # Any kind: Gradio's Textbox takes any JSON value as text (str(value)).
-                apis[fn.api_name] = CachedApi(task, list(fn.outputs), text)
+            raw_input = upload if takes_image(model) else text
+            apis[fn.api_name] = CachedApi(task, fn.inputs[0], list(fn.outputs), raw_input)
     return apis
 
 
@@ -139,6 +148,19 @@ async def _unknown_api(request: Request, error: Exception) -> JSONResponse:
     return JSONResponse({"detail": "No API of that name; the list is at /gradio_api/info."}, status_code=404)
 
 
+async def _invalid_body(refusals: RefusalLog, request: Request, error: Exception) -> Response:
+    """FastAPI's own 422, but safe for any input it quotes: FastAPI answers 500 for a body
+    that is not UTF-8 (its encoder decodes the bytes) or that holds a lone surrogate (its
+    response encodes to UTF-8). Quotes are cut short and the JSON is ASCII."""
+    errors = error.errors() if isinstance(error, RequestValidationError) else []
+    cut = {bytes: lambda b: b[:200].decode("utf-8", "replace"), str: lambda s: s[:200]}
+    body = json.dumps({"detail": jsonable_encoder(errors, custom_encoder=cut)})
+    kinds = ", ".join(str(e.get("type")) for e in errors[:3])
+    refusals.refused(request.client.host if request.client else "unknown",
+                     f"{request.method} {request.url.path[:200]}: 422 {kinds}")  # fmt: skip
+    return Response(body, status_code=422, media_type="application/json")
+
+
 async def _refuse_wrapped_path(request: Request, error: Exception) -> JSONResponse:
     if isinstance(error.__cause__, InvalidPathError):
         return await _refuse_path(request, error.__cause__)
@@ -148,11 +170,20 @@ async def _refuse_wrapped_path(request: Request, error: Exception) -> JSONRespon
 class BackgroundServer:
     """Runs the app in a thread (tests, benchmarks). `close()` stops it."""
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int,
+        header_limits: HeaderLimits | None = DEFAULT_HEADERS,
+    ) -> None:
         # An open event stream (a gradio_client's heartbeat) must not hold close() for its
         # whole join timeout: requests in flight get this long, then connections are dropped.
+        # header_limits=None: uvicorn's own protocol, no limits (a benchmark's baseline).
+        http = "httptools" if header_limits is None else limited_http_protocol(header_limits)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=1)  # fmt: skip
+                                timeout_graceful_shutdown=1, http=http)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self.url = f"http://{host}:{port}"
@@ -178,14 +209,21 @@ class BackgroundServer:
 
 
 def serve_runtime(
-    runtime: Runtime, *, host: str = "127.0.0.1", port: int, timeout_s: float = 60.0
+    runtime: Runtime,
+    *,
+    host: str = "127.0.0.1",
+    port: int,
+    timeout_s: float = 60.0,
+    limit_headers: bool = True,
 ) -> BackgroundServer:
     """A started server of `runtime` in a thread, on the path `serve` takes (the readiness
-    gate and its routing, the app built from `runtime`), ready when it returns. The caller
-    owns `runtime` and closes it after the server (tests, benchmarks)."""
+    gate and its routing, the app built from `runtime`, the settings' header limits unless
+    `limit_headers` is False), ready when it returns. The caller owns `runtime` and closes
+    it after the server (tests, benchmarks)."""
     serving = ServingApp(runtime.settings, build_runtime=lambda _settings: runtime, build_app=build_app,
                          close_runtime=False)  # fmt: skip
-    server = BackgroundServer(serving, host=host, port=port).start(timeout_s)
+    limits = HeaderLimits.from_settings(runtime.settings) if limit_headers else None
+    server = BackgroundServer(serving, host=host, port=port, header_limits=limits).start(timeout_s)
     deadline = time.monotonic() + timeout_s
     while not serving.ready:
         if serving.failure is not None or time.monotonic() > deadline:
@@ -210,6 +248,7 @@ def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -
     config = uvicorn.Config(
         serving, host=settings.host, port=settings.port, log_level="info", lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=limited_http_protocol(HeaderLimits.from_settings(settings)),
         # A line per request costs more server CPU than a cached answer; the request log
         # (console) and /metrics record every request.
         access_log=False,

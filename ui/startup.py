@@ -9,7 +9,8 @@ notice that reloads itself. Once everything is up (and Redis has answered, or
 It also routes: the app's direct routes (`app.state.direct_routes`: the REST infer
 calls) are called before any routing or middleware, API paths go to the FastAPI app,
 everything else straight to the Gradio app mounted in it, so a Gradio call does not
-first walk the API routes.
+first walk the API routes. Every request but the direct routes' (which bound their own)
+passes its route's body limit first (ui.limits.BodyLimits).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.errors import ModelLoadError
 from engine.service import InferenceEngine
 from settings import Settings
 from ui.asgi import Receive, Scope, Send, respond
+from ui.limits import BodyLimits
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class ServingApp:
         self._direct: tuple[DirectRoute, ...] = ()
         self._starting: asyncio.Task[None] | None = None
         self._stack = AsyncExitStack()
+        self._body_limits = BodyLimits.from_settings(settings)
         self.runtime: Runtime | None = None
         self.failure: BaseException | None = None
 
@@ -112,12 +115,14 @@ class ServingApp:
             params = route.path_params(scope)
             if params is not None:
                 scope["path_params"] = params
-                await route(scope, receive, send)
+                await route(scope, receive, send)  # it bounds its own body
                 return
-        if self._gradio is not None and not scope["path"].startswith(API_PREFIXES):
-            await self._gradio(scope, receive, send)
+        gradio = self._gradio
+        routed = gradio if gradio is not None and not scope["path"].startswith(API_PREFIXES) else app
+        if scope["type"] == "http":
+            await self._body_limits(routed, scope, receive, send)
         else:
-            await app(scope, receive, send)
+            await routed(scope, receive, send)
 
     # ---- start and stop -------------------------------------------------------
 

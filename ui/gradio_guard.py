@@ -1,0 +1,286 @@
+"""Refusals in front of Gradio for requests it would turn into a server error.
+
+Gradio 6.31 answers several client mistakes with HTTP 500 and a logged traceback, because
+its queue runs a cached callback's preprocessing (the probe) while the POST is still open:
+
+- an unknown `fn_index` (`/queue/join`, `/run/*`, `/api/*`): a KeyError;
+- fewer inputs than the event takes, or an input its component's data model refuses
+  (`{"data": [5]}` for an image): a ValueError or a pydantic ValidationError;
+- a file reference to a URL (`{"path": "http://...", "meta": {"_type": "gradio.FileData"}}`):
+  Gradio downloads it for the call, and its SSRF guard raises for a private address;
+- an empty `session_hash` on `/queue/join`: a KeyError once the answer is cached;
+- `/call/v2/<api>` with an unknown API name or an unknown or missing named parameter;
+- `/component_server` with an unknown `component_id`: a KeyError.
+
+`GradioGuard` is an ASGI middleware inside the mounted Gradio app (inside Gradio's CORS
+layer, so refusals carry the headers Gradio's own answers carry). For those routes it reads
+the JSON body (within a limit: ui.limits bounds bodies in front of the app, this bounds an
+app served without it), reads it with Gradio's own models, and refuses what Gradio would
+fail on: 404 for an unknown event or component, 400 for a URL file reference or an empty
+session, 422 for inputs Gradio cannot take, each with a message and a log line. Everything
+else goes to Gradio with its body replayed. A remote file is never fetched: this app
+classifies files uploaded to it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+from gradio.data_classes import ComponentServerJSONBody, FileData, PredictBody, SimplePredictBody
+from gradio_client.utils import construct_args, is_file_obj_with_meta, is_http_url_like
+from pydantic import ValidationError
+from starlette.routing import get_route_path
+
+from ui.asgi import ASGIApp, Message, Receive, Scope, Send, replay, respond
+from ui.call_protocol import RefusalLog
+
+log = logging.getLogger(__name__)
+
+_PREDICT = re.compile(r"/gradio_api/(queue/join|call/(?!v2/)[^/]+|run/[^/]+|api/[^/]+)/?")
+_CALL_V2 = re.compile(r"/gradio_api/call/v2/([^/]+)/?")
+_COMPONENT_SERVER = re.compile(r"/gradio_api/component_server/?")
+NOT_AN_UPLOAD = (
+    "This app classifies files uploaded to it and does not fetch URLs: POST the file to "
+    "/gradio_api/upload and pass the path it answers."
+)
+
+
+_TOO_LARGE = object()
+
+
+class Refusal(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class GradioGuard:
+    """ASGI middleware of the Gradio app serving `blocks` (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, *, blocks: Any, max_body_bytes: int) -> None:
+        self.app = app
+        self._blocks = blocks
+        self._max_body_bytes = max_body_bytes
+        self._named_parameters: dict[str, list[dict[str, Any]]] | None = None
+        self._refusals = RefusalLog(log)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        check = self._check_for(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if check is None:
+            await self.app(scope, receive, send)
+            return
+        messages, body = await _read(receive, self._max_body_bytes)
+        try:
+            if body is _TOO_LARGE:
+                limit = self._max_body_bytes
+                raise Refusal(413, f"The request body is larger than the limit of {limit:,} bytes.")
+            if body is not None and (request := _json(body)) is not None:  # else Gradio answers it
+                check(request)
+        except Refusal as refusal:
+            client = scope.get("client") or ("unknown", 0)
+            what = f"POST {scope['path'][:200]}: {refusal.status} {refusal.message[:300]}"
+            self._refusals.refused(client[0], what)
+            headers = [(b"connection", b"close")] if refusal.status == 413 else []
+            await respond(send, refusal.status, {"detail": refusal.message}, headers=headers)
+            return
+        await self.app(scope, replay(messages, receive), send)
+
+    def _check_for(self, scope: Scope) -> Callable[[Any], None] | None:
+        path = get_route_path(scope)
+        if (match := _PREDICT.fullmatch(path)) is not None:
+            route = match.group(1)
+            return lambda request: self._check_predict(route, request)
+        if (match := _CALL_V2.fullmatch(path)) is not None:
+            api_name = match.group(1)
+            return lambda request: self._check_call_v2(api_name, request)
+        if _COMPONENT_SERVER.fullmatch(path) is not None and not _multipart(scope):
+            return self._check_component_server
+        return None
+
+    # ---- the routes --------------------------------------------------------------
+
+    def _check_predict(self, route: str, request: Any) -> None:
+        kind, _, api_name = route.partition("/")  # "queue" (join), "call", "run" or "api"
+        api_name = "" if kind == "queue" else api_name
+        model = SimplePredictBody if kind == "call" else PredictBody
+        try:
+            body = model.model_validate(request)  # read as Gradio reads it ("4" is fn_index 4)
+        except ValidationError:
+            return  # Gradio's own 422
+        if body.session_hash == "":
+            raise Refusal(400, "session_hash must not be empty.")
+        fn_index = getattr(body, "fn_index", None)
+        if fn_index is not None and kind != "call":
+            fn = self._blocks.fns.get(fn_index)
+            if fn is None:
+                shown = str(fn_index) if abs(fn_index) < 10**12 else "out of range"
+                raise Refusal(404, f"No event has fn_index {shown}; the API list is at /gradio_api/info.")
+        else:
+            fn = self._by_api_name(api_name) if api_name else None
+            if fn is None:
+                return  # no fn_index on /queue/join, or no such API: Gradio's own 400 and 404
+        data = _simple_data(fn, body.data) if kind == "call" else body.data
+        _check_inputs(fn, data)
+
+    def _check_call_v2(self, api_name: str, request: Any) -> None:
+        if not isinstance(request, dict):
+            return  # Gradio's own 422
+        parameters = self._parameters().get(api_name)
+        fn = self._by_api_name(api_name)
+        if parameters is None or fn is None:
+            raise Refusal(404, "No API of that name; the list is at /gradio_api/info.")
+        named = {k: v for k, v in request.items() if k != "oauth_token"}  # Gradio's to take or drop
+        try:
+            data = construct_args(parameters, (), named)
+        except (TypeError, ValueError) as exc:  # an unknown, repeated or missing parameter
+            raise Refusal(422, str(exc)) from None
+        _check_inputs(fn, _simple_data(fn, data))
+
+    def _check_component_server(self, request: Any) -> None:
+        try:
+            body = ComponentServerJSONBody.model_validate(request)
+        except ValidationError:
+            return  # Gradio's own 422
+        # This app renders nothing per session (no gr.render), so every component is a block.
+        if body.component_id not in self._blocks.blocks:
+            shown = body.component_id if abs(body.component_id) < 10**12 else "out of range"
+            raise Refusal(404, f"No component has id {shown}.")
+
+    # ---- the app's events --------------------------------------------------------
+
+    def _by_api_name(self, api_name: str) -> Any:
+        return next((fn for fn in self._blocks.fns.values() if fn.api_name == api_name), None)
+
+    def _parameters(self) -> dict[str, list[dict[str, Any]]]:
+        """Each named endpoint's parameters, as `/call/v2` reads them (built once)."""
+        if self._named_parameters is None:
+            endpoints = self._blocks.get_api_info()["named_endpoints"].items()
+            self._named_parameters = {name.lstrip("/"): info["parameters"] for name, info in endpoints}
+        return self._named_parameters
+
+
+def _simple_data(fn: Any, data: list[Any]) -> list[Any]:
+    """The inputs of a `/call` body as Gradio fills them (routes.prepare_simple_api_data):
+    the API's inputs, with None for the inputs the API skips."""
+    if len(data) == len(fn.inputs):
+        return data
+    api_inputs = [block for block in fn.inputs if not block.skip_api]
+    if len(data) != len(api_inputs):
+        return data
+    items = iter(data)
+    return [None if block.skip_api else next(items) for block in fn.inputs]
+
+
+def _check_inputs(fn: Any, data: list[Any]) -> None:
+    """Refuse the inputs Gradio's preprocessing would fail on (Blocks.preprocess_data)."""
+    name = fn.api_name or fn.name or "this event"
+    if len(data) < len(fn.inputs):
+        raise Refusal(422, f"{name} takes {len(fn.inputs)} input(s); the request sent {len(data)}.")
+    for index, block in enumerate(fn.inputs):
+        if block.stateful:
+            continue  # Gradio reads the session's state, not the request
+        value = data[index]
+        _check_file_references(value)
+        if index in fn.component_prop_inputs:
+            continue
+        if isinstance(block, gr.Dataset) and block.type != "index":
+            _check_sample_index(block, value, f"Input {index} of {name}")
+        if value is None:
+            continue
+        model = getattr(block, "data_model", None)
+        if model is None:
+            continue
+        try:
+            read = model.model_validate(value, context={"validate_meta": True})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            detail = f"{where}: {first['msg']}" if where else first["msg"]
+            kind = block.get_block_name()
+            raise Refusal(422, f"Input {index} of {name} is not a valid {kind} value: {detail}.") from None
+        _check_path(getattr(read, "path", None))  # a file component checks it against the upload folder
+
+
+def _check_sample_index(dataset: Any, value: Any, what: str) -> None:
+    """An example's index, as gr.Dataset.preprocess looks it up (the examples of this app
+    are the same in every session). None too is refused: gr.Examples' loader unpacks what
+    the Dataset hands it, and a click always sends an index."""
+    count = len(dataset.raw_samples)
+    if not isinstance(value, int) or not -count <= value < count:
+        raise Refusal(422, f"{what} must be the index of one of its {count} examples.")
+
+
+def _check_file_references(value: Any) -> None:
+    """Every file reference in `value`, at any depth, as Gradio finds them
+    (processing_utils.async_move_files_to_cache): a FileData it can read, not a URL."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if isinstance(item.get("path"), str) and "meta" in item and not isinstance(item["meta"], dict):
+                # Gradio's own test (is_file_obj_with_meta) calls meta.get(): an AttributeError.
+                raise Refusal(422, 'A file reference\'s "meta" must be {"_type": "gradio.FileData"}.')
+            if is_file_obj_with_meta(item):
+                if is_http_url_like(item["path"]):
+                    raise Refusal(400, NOT_AN_UPLOAD)
+                _check_path(item["path"])
+                try:
+                    FileData.model_validate(item)
+                except ValidationError as exc:
+                    raise Refusal(422, f"A file reference is not valid: {exc.errors()[0]['msg']}.") from None
+            else:
+                stack.extend(item.values())
+
+
+def _check_path(path: Any) -> None:
+    """A path the file system can be asked about: Gradio asks whether a file's path exists
+    (utils.is_static_file) and resolves it to see where it lies (processing_utils.
+    _check_allowed); a NUL, a lone surrogate, a name too long or a symlink loop fails that
+    with a 500."""
+    if not isinstance(path, str):
+        return
+    try:
+        Path(path).exists()
+        Path(path).resolve()
+    except (OSError, ValueError, RuntimeError) as exc:  # UnicodeEncodeError is a ValueError
+        raise Refusal(422, f"The file path cannot be looked up ({type(exc).__name__}).") from None
+
+
+def _multipart(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return value.lower().startswith(b"multipart/")
+    return False
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # not JSON (invalid UTF-8 too), or nested too deep
+        return None
+
+
+async def _read(receive: Receive, limit: int) -> tuple[list[Message], Any]:
+    """The body's messages as read, and the body: None when the client left before its end,
+    _TOO_LARGE past `limit` (the rest is never read)."""
+    messages: list[Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages, None
+        size += len(message.get("body", b""))
+        if size > limit:
+            return messages, _TOO_LARGE
+        if not message.get("more_body", False):
+            return messages, b"".join(m.get("body", b"") for m in messages)

@@ -1,0 +1,286 @@
+"""Limits on what one HTTP request may make the server hold: its head and its body.
+
+The head (request line and headers) is bounded on the connection, before any app code
+runs. uvicorn's httptools parser has no limit of its own, and it builds a header value that
+arrives over several reads by concatenation, each read copying everything before it: three
+connections trickling one endless header held the event loop and grew memory by gigabytes.
+`limited_http_protocol` is uvicorn's httptools protocol with a cap on the head's bytes (the
+read in which the request began is held to the socket's read size, every later read is
+counted while the head is open, and a complete head that could be over is measured), on the
+URL's length and the number of headers (checked once the head is complete: until then the
+byte cap holds them), and on how long the head may take to arrive. Past a cap the client
+gets 431 (414 for the URL, 408 for the time) and the connection closes. A request whose
+head arrives in one read, as any real client sends it, pays a few attribute updates and no
+timer: about a microsecond (`python -m bench.http_limits`).
+
+The body is bounded per route by `BodyLimits`, one ASGI step in front of everything the
+app serves (ui.startup.ServingApp): a declared `Content-Length` over the route's limit is
+refused before a byte is read; a chunked body is counted as it streams and refused at the
+first chunk past the limit. Both answer 413 and close the connection. The REST infer routes
+bound their own bodies (api.body) and are left alone here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from api import oip_body_limit
+from api.body import byte_count
+from settings import Settings
+from ui.asgi import ASGIApp, Message, Receive, Scope, Send, respond
+from ui.call_protocol import RefusalLog
+
+log = logging.getLogger(__name__)
+
+# Room for the multipart form around one uploaded file (boundaries, part headers, file name).
+UPLOAD_FORM_ALLOWANCE = 64 * 1024
+# The admin API's own JSON (flush, bump, reload, cleanup); inspect and evict carry an input.
+ADMIN_BODY_BYTES = 64 * 1024
+GRADIO_PREFIX = "/gradio_api"
+UPLOAD_PATH = f"{GRADIO_PREFIX}/upload"
+ADMIN_PREFIX = "/admin/api/"
+ADMIN_ENTRY_PATHS = ("/admin/api/inspect", "/admin/api/evict")
+
+
+# ---- the request head --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeaderLimits:
+    """Caps on one request's head. `max_bytes` counts the URL and every header name and
+    value; `timeout_s` runs from the first read that leaves the head incomplete."""
+
+    max_bytes: int = 32 * 1024
+    max_count: int = 100
+    max_url_bytes: int = 8 * 1024
+    timeout_s: float = 30.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HeaderLimits:
+        return cls(settings.max_header_bytes, settings.max_header_count, settings.max_url_bytes)
+
+
+class _HeadRefused(Exception):
+    """Raised in a parser callback to stop parsing; uvicorn answers via send_400_response."""
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with `limits` on each request's head (see the module)."""
+
+    limits = HeaderLimits()
+    refusals = RefusalLog(log)  # one per server: limited_http_protocol makes the class
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_open = False  # a request has begun and its headers are not complete
+        self._read_size = 0  # of the read being parsed
+        self._began_in_read = False
+        self._streamed = 0  # bytes of the reads after the first while the head is open
+        self._head_bound = 0  # at least the head's size: the reads it arrived in
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, str] | None = None
+
+    # The base class is called by name, not through super(): these run for every request.
+    def data_received(self, data: bytes) -> None:
+        self._read_size = len(data)
+        self._began_in_read = False
+        HttpToolsProtocol.data_received(self, data)
+        if not self._head_open or self._refusal is not None or self.transport.is_closing():
+            return
+        if not self._began_in_read:
+            self._streamed += len(data)
+            self._head_bound += len(data)
+            if self._streamed > self.limits.max_bytes:
+                self._refuse(431, self._too_large())
+                return
+        if self._head_timer is None:  # only a head that spans reads pays for a timer
+            self._head_timer = self.loop.call_later(self.limits.timeout_s, self._head_timed_out)
+
+    def on_message_begin(self) -> None:
+        HttpToolsProtocol.on_message_begin(self)
+        self._head_open = self._began_in_read = True
+        self._streamed = 0
+        self._head_bound = self._read_size
+
+    def on_headers_complete(self) -> None:
+        self._head_open = False
+        if self._head_timer is not None:
+            self._cancel_head_timer()
+        limits = self.limits
+        # A URL or a header list over its limit is held no longer than the head's byte limit
+        # allows while it arrives (data_received); it is refused here, once complete.
+        if len(self.url) > limits.max_url_bytes:
+            self._refusal = (414, f"The URL is longer than the limit of {limits.max_url_bytes:,} bytes.")
+            raise _HeadRefused
+        if len(self.headers) > limits.max_count:
+            self._refusal = (431, f"More than {limits.max_count} request headers.")
+            raise _HeadRefused
+        # The exact size only when the reads it came in could hold more than the limit.
+        if self._head_bound > limits.max_bytes:
+            size = len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
+            if size > limits.max_bytes:
+                self._refusal = (431, self._too_large())
+                raise _HeadRefused
+        HttpToolsProtocol.on_headers_complete(self)
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to a parser error, which is how a callback's refusal surfaces.
+        if self._refusal is None:
+            super().send_400_response(msg)
+        else:
+            self._refuse(*self._refusal)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _too_large(self) -> str:
+        return f"The request's headers are larger than the limit of {self.limits.max_bytes:,} bytes."
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._head_open and not self.transport.is_closing():
+            self._refuse(408, f"The request's headers did not arrive within {self.limits.timeout_s:g} s.")
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._refusal = (status, message)
+        self._head_open = False
+        self._cancel_head_timer()
+        self.refusals.refused(
+            self.client[0] if self.client else "unknown", f"a request head: {status} {message}"
+        )
+        body = message.encode()
+        head = b"".join(
+            [
+                STATUS_LINE[status],
+                b"content-type: text/plain; charset=utf-8\r\n",
+                b"content-length: %d\r\n" % len(body),
+                b"connection: close\r\n\r\n",
+            ]
+        )
+        self.transport.write(head + body)
+        self.transport.close()
+
+
+def limited_http_protocol(limits: HeaderLimits) -> type[LimitedHttpToolsProtocol]:
+    """The protocol class uvicorn builds for each connection (`uvicorn.Config(http=...)`)."""
+    attributes = {"limits": limits, "refusals": RefusalLog(log)}
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), attributes)
+
+
+# ---- the request body ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """The largest body each route takes, in bytes."""
+
+    gradio: int  # Gradio's call, queue, component and other JSON routes: MAX_GRADIO_BODY_BYTES
+    upload: int  # /gradio_api/upload: one file at MAX_UPLOAD_BYTES and its form
+    admin_entry: int  # /admin/api/inspect and /evict: an input as REST takes it (an image, base64)
+    admin: int = ADMIN_BODY_BYTES
+    refusals: RefusalLog = field(default_factory=lambda: RefusalLog(log), compare=False, repr=False)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BodyLimits:
+        return cls(
+            gradio=settings.max_gradio_body_bytes,
+            upload=settings.max_upload_bytes + UPLOAD_FORM_ALLOWANCE,
+            admin_entry=oip_body_limit(settings.max_upload_bytes),
+        )
+
+    def for_path(self, path: str) -> tuple[int, str] | None:
+        """The limit for `path` and the key its JSON error goes under; None: the route
+        bounds its own body (REST)."""
+        if path.startswith(GRADIO_PREFIX):
+            return (self.upload if path.rstrip("/") == UPLOAD_PATH else self.gradio), "detail"
+        if path.startswith(ADMIN_PREFIX):
+            return (self.admin_entry if path.rstrip("/") in ADMIN_ENTRY_PATHS else self.admin), "error"
+        if path.startswith("/v2"):
+            return None
+        return self.gradio, "detail"  # the page, health, metrics: any body at all is odd
+
+    async def __call__(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one HTTP request with `app` within its route's body limit."""
+        rule = self.for_path(scope["path"])
+        if rule is None:
+            await app(scope, receive, send)
+            return
+        limit, key = rule
+        count = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                declared = byte_count(value.decode("latin-1"))
+                if declared is not None and declared > limit:
+                    await _too_large(scope, send, limit, key, self.refusals, declared=declared)
+                    return
+                count = count or declared is None  # too many digits to read: count it instead
+            elif name == b"transfer-encoding":
+                count = True
+        if not count:  # no body, or one of a declared length within the limit (the parser holds it to that)
+            await app(scope, receive, send)
+            return
+        counted = _CountedBody(scope, receive, send, limit, key, self.refusals)
+        try:
+            await app(scope, counted.receive, counted.send)
+        except Exception:
+            if not counted.refused:
+                raise
+            # The app was told the client left (its body was cut off); its error is moot.
+
+
+class _CountedBody:
+    """receive/send for a chunked body: past `limit` bytes the client gets 413 and the app
+    an `http.disconnect`; whatever the app sends after that is dropped."""
+
+    def __init__(
+        self, scope: Scope, receive: Receive, send: Send, limit: int, key: str, refusals: RefusalLog
+    ) -> None:
+        self._scope, self._receive, self._send = scope, receive, send
+        self._limit, self._key, self._refusals = limit, key, refusals
+        self._received = 0
+        self._started = False
+        self.refused = False
+
+    async def receive(self) -> Message:
+        if self.refused:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self._received += len(message.get("body", b""))
+            if self._received > self._limit:
+                self.refused = True
+                if not self._started:
+                    await _too_large(self._scope, self._send, self._limit, self._key, self._refusals)
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.refused:
+            return
+        if message["type"] == "http.response.start":
+            self._started = True
+        await self._send(message)
+
+
+async def _too_large(
+    scope: Scope, send: Send, limit: int, key: str, refusals: RefusalLog, *, declared: int | None = None
+) -> None:
+    client = scope.get("client") or ("unknown", 0)
+    how = f"declared {declared:,} bytes" if declared is not None else "chunked, counted as it streamed"
+    refusals.refused(
+        client[0], f"{scope['method']} {scope['path'][:200]}: 413 body over {limit:,} bytes ({how})"
+    )
+    message = f"The request body is larger than the limit of {limit:,} bytes for this route."
+    # The rest of the body is never read: close the connection rather than drain it.
+    await respond(send, 413, {key: message}, headers=[(b"connection", b"close")])
