@@ -31,8 +31,10 @@ Needs `redis-server` on PATH. It touches no Redis and no process it did not star
 Modules: `config` (what the apps are given, sizes), `processes` (the app processes),
 `client` (Gradio calls sorted into outcomes, admin calls, /metrics), `inputs` (the load and
 its reference answers), `mutations` (hostile files, texts and stored values), `harness`
-(verdicts, the load, the router, the shared set-up), `scenarios_redis`, `scenarios_fleet`,
-`scenarios_input`, `scenarios_ops` (the scenarios by area), `scenarios` (the list, and running
-one), `report`, `cli`. A new scenario is a function `(run: Run) -> None` in the module of its
-area, listed in `scenarios.SCENARIOS`.
+(verdicts, the load, the router, the shared set-up), `hostile` (the frame of an attack: quiet
+and attacked windows, judged by what the attack costs everyone else) with `healthz` (its
+/healthz poller, a process of its own), `scenarios_redis`, `scenarios_fleet`,
+`scenarios_input`, `scenarios_ops`, `scenarios_hostile` (the scenarios by area), `scenarios`
+(the list, and running one), `report`, `cli`. A new scenario is a function `(run: Run) -> None`
+in the module of its area, listed in `scenarios.SCENARIOS`.
 """

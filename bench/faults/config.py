@@ -40,6 +40,10 @@ APP_SETTINGS = (
     "MAX_UPLOAD_BYTES",
     "MAX_IMAGE_PIXELS",
     "MAX_TEXT_CHARS",
+    "MAX_HEADER_BYTES",
+    "MAX_HEADER_COUNT",
+    "MAX_URL_BYTES",
+    "MAX_GRADIO_BODY_BYTES",
     "LOG_RETENTION_DAYS",
     "LOG_MAX_ROWS",
     "GRADIO_TEMP_DIR",
@@ -65,6 +69,9 @@ class Sizes:
     flight_http_callers: int = 200  # over HTTP, to one app
     edge_photos: int = 4  # photos behind the valid edge-case files (x14 formats)
     gradio_client_cases: int = 200  # of the malformed inputs, also sent through gradio_client
+    attack_s: float = 8.0  # each hostile-HTTP attack (scenarios_hostile)
+    attackers: int = 3  # concurrent attackers
+    huge_body_mb: int = 400  # each huge Gradio body, streamed (refused long before its end)
     request_timeout_s: float = 60.0
     recovery_limit_s: float = 10.0  # L2 back in use after Redis returns
     restart_between: bool = True  # restart a stopped app when more scenarios follow
@@ -85,6 +92,8 @@ QUICK = Sizes(
     hostile_texts=80,
     gradio_client_cases=60,
     brute_attempts=30,
+    attack_s=3.0,
+    huge_body_mb=200,
 )
 CI = Sizes(
     "ci",
@@ -103,5 +112,7 @@ CI = Sizes(
     flight_http_callers=50,
     edge_photos=1,
     gradio_client_cases=20,
+    attack_s=2.0,
+    huge_body_mb=100,
     restart_between=False,
 )

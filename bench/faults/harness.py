@@ -172,8 +172,10 @@ class Run:
         replicas: Sequence[int],
         threads: int | None = None,
         failover: bool = True,
+        pause_s: float = 0.0,
     ) -> Iterator[None]:
-        """Concurrent clients sending random cases until the block ends."""
+        """Concurrent clients sending random cases until the block ends, each waiting
+        `pause_s` after every answer (0: as fast as the replicas answer)."""
         stop = threading.Event()
 
         def worker(index: int) -> None:
@@ -185,6 +187,8 @@ class Run:
                     sent_at = time.monotonic()
                     outcome, used, retries = router.send(case)
                     self.record(case, used, sent_at, outcome, retries)
+                    if pause_s:
+                        stop.wait(pause_s)
             finally:
                 router.close()
 

@@ -17,7 +17,7 @@ from bench.faults.config import APP_SETTINGS, REFRESH_S, ROOT, SOCKET_TIMEOUT_S,
 from storage.embedded_redis import free_port
 
 
-def _die_with_parent() -> None:  # in the child between fork and exec: no orphans if we crash
+def die_with_parent() -> None:  # in the child between fork and exec: no orphans if we crash
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -79,7 +79,7 @@ class AppProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def wait_ready(self, timeout_s: float = 240.0, l2: str | None = "up") -> None:
@@ -130,6 +130,15 @@ def peak_rss_mb(pid: int | None) -> float | None:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         return next(int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def rss_mb(pid: int | None) -> float | None:
+    """The process's resident memory now (VmRSS)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return next(int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
     except (OSError, StopIteration, ValueError):
         return None
 

@@ -16,6 +16,7 @@ from bench.faults.scenarios_fleet_ops import (
     generation_unconfirmed,
     lease_holder_killed,
 )
+from bench.faults.scenarios_hostile import collision_pair, header_stream, huge_gradio_body, shape_freeze
 from bench.faults.scenarios_input import malformed_inputs
 from bench.faults.scenarios_models import reload_under_load_scenario
 from bench.faults.scenarios_ops import admin_bruteforce, log_locked
@@ -73,6 +74,10 @@ SCENARIOS = (
     Scenario("postgres_restarted", "PostgreSQL request log restarted under load", postgres_restarted),
     Scenario("malformed_inputs", "Malformed uploads and hostile texts", malformed_inputs),
     Scenario("admin_bruteforce", "Admin API brute force", admin_bruteforce),
+    Scenario("shape_freeze", "REST shapes with enormous products, sent again and again", shape_freeze),
+    Scenario("header_stream", "Request heads that never end, on raw connections", header_stream),
+    Scenario("huge_gradio_body", "Hundreds of MB of JSON to Gradio's call and queue", huge_gradio_body),
+    Scenario("collision_pair", "xxh3 collision pairs planted through Gradio and REST", collision_pair),
     Scenario("lease_holder_killed", "A replica killed holding single-flight leases", lease_holder_killed),
     Scenario("app_killed", "App process killed (SIGKILL) under load, then restarted", app_killed),
     Scenario("graceful_stop", "App stopped (SIGTERM) with a browser connected", graceful_stop),
