@@ -48,12 +48,10 @@ class _CacheStateCollector(Collector):
         yield breaker
         yield GaugeMetricFamily("infcache_generation", "Current cache generation", value=state["generation"])
         seconds = CounterMetricFamily("infcache_model_seconds", "Seconds spent in model forward passes",
-                                      labels=["task", "backend"])  # fmt: skip
-        models = self._engine.models
+                                      labels=["task"])  # fmt: skip
         calls = CounterMetricFamily("infcache_model_calls", "Model forward passes", labels=["task"])
         for task, value in counters.model_seconds.items():
-            backend = getattr(models.get(task), "backend", "torch")  # the one serving the task now
-            seconds.add_metric([task, backend], value)
+            seconds.add_metric([task], value)
             calls.add_metric([task], counters.model_calls.get(task, 0))
         yield seconds
         yield calls

@@ -86,11 +86,9 @@ def load_photos(names: Sequence[str] = PHOTOS) -> dict[str, bytes]:
 
 
 def load_real_models(device: str) -> tuple[ImageClassifier, TextClassifier]:
-    """Both real models, as the app loads them (with default settings) but on torch: the
-    benchmarks' baselines are plain torch, as a user's own app runs; `bench.miss_cost` sets the
-    onnxruntime backend (engine.models.onnx_backend) beside it."""
+    """Both real models, as the app loads them (with default settings)."""
     _quiet_transformers()
-    models = load_models(replace(Settings.from_env({}), device=device, inference_backend="torch"))
+    models = load_models(replace(Settings.from_env({}), device=device))
     image, text = models["image"], models["text"]
     assert isinstance(image, ImageClassifier) and isinstance(text, TextClassifier)
     return image, text
