@@ -123,7 +123,7 @@ def test_census_estimates_from_a_sample(aged: Runtime, redis_server: EmbeddedRed
     prefix = aged.settings.cache_prefix
     with direct.pipeline(transaction=False) as pipe:
         for n in range(3000):  # many old entries, and as many keys of someone else
-            pipe.set(f"{prefix}:text:v0:0:{n:032x}", b"x", ex=600)
+            pipe.set(f"{prefix}:text:v0:0:b3{n:032x}", b"x", ex=600)
             pipe.set(f"other:{n}", b"x", ex=600)
         pipe.execute()
     estimate = census(

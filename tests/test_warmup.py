@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from admin.warmup_tab import warmup_text
 from engine.inputs import CanonicalImage, canonicalize_image
-from engine.keys import digest_parts
+from engine.keys import DIGEST_PATTERN, digest_parts
 from engine.warmup import WarmSet
 from runtime import Runtime, build_runtime
 from settings import Settings
@@ -88,7 +88,7 @@ def test_hot_inputs_kept_bounded_and_recomputed_after_a_bump(
         hits_keys = list(client.scan_iter(match="*:meta:warm:*:hits:*"))
         assert hits_keys and all(0 < client.ttl(k) <= 2 * 3600 for k in hits_keys)
         members = [m.decode() for m in client.zrange(hits_keys[0], 0, -1)]
-        assert len(members) == 5 and all(len(m) == 32 for m in members)  # by digest, not by text
+        assert len(members) == 5 and all(DIGEST_PATTERN.match(m) for m in members)  # by digest, not by text
     finally:
         client.close()
 
