@@ -14,23 +14,16 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from bench.live_load import l2_only_engine, live_latencies
 from engine.cleanup import CleanupJob
-from engine.generation import LocalGeneration
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import Prediction
-from engine.service import CachePolicy, InferenceEngine
-from storage.breaker import CircuitBreaker
 from storage.embedded_redis import EmbeddedRedis
-from storage.memory import MemoryStore
-from storage.redis_clients import make_nodes
-from storage.redis_store import RedisStore
 
 PREFIX = "bench-cleanup"
 
@@ -46,30 +39,6 @@ class _Fixed:
         return [Prediction((("a", 0.75), ("b", 0.25))) for _ in inputs]
 
 
-def _load(engine: InferenceEngine, texts: list[str], seconds: float, threads: int = 4) -> list[float]:
-    stop = time.monotonic() + seconds
-    samples: list[float] = []
-    lock = threading.Lock()
-
-    def worker(index: int) -> None:
-        mine = []
-        n = index
-        while time.monotonic() < stop:
-            started = time.perf_counter()
-            engine.classify("text", texts[n % len(texts)])
-            mine.append((time.perf_counter() - started) * 1000.0)
-            n += threads
-        with lock:
-            samples.extend(mine)
-
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return samples
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", type=int, default=200_000, help="old entries to delete")
@@ -79,13 +48,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(data_dir=Path(tmp), maxmemory_mb=1024) as server:
         url = server.start()
-        store = RedisStore(make_nodes(url, socket_timeout_s=1.0), prefix=PREFIX,
-                           breaker=CircuitBreaker(failure_threshold=5, reset_s=1.0))  # fmt: skip
-        engine = InferenceEngine(
-            models={"text": _Fixed()}, l1=MemoryStore(max_bytes=0, default_ttl_s=1.0), l2=store,
-            generation=LocalGeneration(), policy=CachePolicy(prefix=PREFIX, l1_ttl_s=1.0, l2_ttl_s=3600,
-                                                             negative_ttl_s=60),
-        )  # fmt: skip
+        store, engine = l2_only_engine(url, _Fixed(), prefix=PREFIX)
         try:
             client = store.client
             with client.pipeline(transaction=False) as pipe:
@@ -97,16 +60,16 @@ def main() -> None:
             texts = [f"cached message {n}" for n in range(500)]
             for text in texts:
                 engine.classify("text", text)
-            _load(engine, texts, 1.0)  # warm
+            live_latencies(engine, texts, 1.0)  # warm
             baseline: list[float] = []
             during: list[float] = []
             deleted = 0
             for _ in range(args.rounds):
-                baseline += _load(engine, texts, args.seconds)
+                baseline += live_latencies(engine, texts, args.seconds)
                 job = CleanupJob(
                     store, prefix=PREFIX, current=lambda: ({"text": "v-new"}, 0), dry_run=False
                 ).start()
-                during += _load(engine, texts, args.seconds)
+                during += live_latencies(engine, texts, args.seconds)
                 job.cancel()
                 deleted += job.snapshot()["deleted"]
             p99_base, p99_during = float(np.percentile(baseline, 99)), float(np.percentile(during, 99))

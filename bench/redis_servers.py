@@ -16,6 +16,8 @@ from pathlib import Path
 
 import redis
 
+from storage.embedded_redis import answers_ping
+
 CLUSTER_BUS_OFFSET = 10000  # Redis Cluster's bus port is the data port + 10000
 MAX_CLUSTER_PORT = 65535 - CLUSTER_BUS_OFFSET
 
@@ -60,15 +62,7 @@ def free_ports(count: int, *, below: int = MAX_CLUSTER_PORT) -> list[int]:
 def _ping(port: int, pid: int | None = None) -> bool:
     """The server on `port` answers (and, given `pid`, is that process: not another
     process's server that took the port first)."""
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.3, socket_connect_timeout=0.3)
-    try:
-        if pid is not None and int(client.info("server").get("process_id", -1)) != pid:
-            return False
-        return bool(client.ping())
-    except (redis.RedisError, OSError):
-        return False
-    finally:
-        client.close()
+    return answers_ping(pid=pid, host="127.0.0.1", port=port)
 
 
 def _wait(predicate: object, timeout_s: float, what: str, *, poll_s: float = 0.05) -> None:

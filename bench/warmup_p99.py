@@ -16,23 +16,17 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from engine.generation import LocalGeneration
+from bench.live_load import l2_only_engine, live_latencies
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import Prediction
-from engine.service import CachePolicy, InferenceEngine
 from engine.warmup import WarmSet
-from storage.breaker import CircuitBreaker
 from storage.embedded_redis import EmbeddedRedis
-from storage.memory import MemoryStore
-from storage.redis_clients import make_nodes
-from storage.redis_store import RedisStore
 
 PREFIX = "bench-warmup"
 
@@ -53,31 +47,6 @@ class _Model:
         return [Prediction((("a", 0.75), ("b", 0.25))) for _ in inputs]
 
 
-def _load(engine: InferenceEngine, texts: list[str], seconds: float, threads: int = 4) -> list[float]:
-    stop = time.monotonic() + seconds
-    samples: list[float] = []
-    lock = threading.Lock()
-
-    def worker(index: int) -> None:
-        mine = []
-        n = index
-        while time.monotonic() < stop:
-            started = time.perf_counter()
-            engine.classify("text", texts[n % len(texts)])
-            mine.append((time.perf_counter() - started) * 1000.0)
-            n += threads
-            time.sleep(0.002)
-        with lock:
-            samples.extend(mine)
-
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return samples
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kept", type=int, default=200, help="hot inputs kept and warmed")
@@ -87,13 +56,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(data_dir=Path(tmp), maxmemory_mb=256) as server:
         url = server.start()
-        store = RedisStore(make_nodes(url, socket_timeout_s=1.0), prefix=PREFIX,
-                           breaker=CircuitBreaker(failure_threshold=5, reset_s=1.0))  # fmt: skip
-        engine = InferenceEngine(
-            models={"text": _Model("v1")}, l1=MemoryStore(max_bytes=0, default_ttl_s=1.0), l2=store,
-            generation=LocalGeneration(), policy=CachePolicy(prefix=PREFIX, l1_ttl_s=1.0, l2_ttl_s=3600,
-                                                             negative_ttl_s=60),
-        )  # fmt: skip
+        store, engine = l2_only_engine(url, _Model("v1"), prefix=PREFIX)
         warm = WarmSet(store, prefix=PREFIX, size=args.kept, ttl_s=3600, engine=engine, flush_s=3600).start()
         engine.attach_warm_set(warm)
         try:
@@ -113,11 +76,11 @@ def main() -> None:
                 engine.replace_model("text", _Model(f"v{round_ + 2}"))
                 for text in texts:
                     engine.classify("text", text)
-                _load(engine, texts, 0.5)  # warm the process
-                baseline += _load(engine, texts, args.seconds)
+                live_latencies(engine, texts, 0.5, pause_s=0.002)  # warm the process
+                baseline += live_latencies(engine, texts, args.seconds, pause_s=0.002)
                 started = time.monotonic()
                 warm.trigger(["text"])
-                during += _load(engine, texts, args.seconds)
+                during += live_latencies(engine, texts, args.seconds, pause_s=0.002)
                 warmed_meanwhile.append(warm.progress()["done"])
                 while warm.progress()["running"] and time.monotonic() - started < 120:
                     time.sleep(0.05)
