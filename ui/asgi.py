@@ -36,3 +36,23 @@ def replay(messages: list[Message], receive: Receive) -> Receive:
         return queued.pop(0) if queued else await receive()
 
     return replayed
+
+
+TOO_LARGE = object()  # read_body's answer for a body past its limit
+
+
+async def read_body(receive: Receive, limit: int) -> tuple[list[Message], bytes | object | None]:
+    """The body's messages as read (to replay them), and the body: None when the client left
+    before its end, TOO_LARGE past `limit` bytes (the rest is left unread)."""
+    messages: list[Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages, None
+        size += len(message.get("body", b""))
+        if size > limit:
+            return messages, TOO_LARGE
+        if not message.get("more_body", False):
+            return messages, b"".join(m.get("body", b"") for m in messages)

@@ -44,8 +44,9 @@ from starlette.middleware import Middleware
 from starlette.routing import get_route_path
 
 from engine.service import InferenceEngine
-from ui.asgi import ASGIApp, Message, Receive, Scope, Send, replay
+from ui.asgi import ASGIApp, Message, Receive, Scope, Send, read_body, replay
 from ui.call_protocol import (
+    MAX_BODY_BYTES,
     NOT_FOUND,
     RefusalLog,
     body_part,
@@ -54,7 +55,6 @@ from ui.call_protocol import (
     json_body,
     json_response,
     named_data,
-    read_body,
     simple_data,
     sse_start,
 )
@@ -147,9 +147,9 @@ class CachedCalls:
     # ---- POST: queue a call ------------------------------------------------------
 
     async def _post(self, scope: Scope, receive: Receive, send: Send, api_name: str, *, named: bool) -> None:
-        messages, body = await read_body(receive)
+        messages, body = await read_body(receive, MAX_BODY_BYTES)
         outputs = None
-        if body is not None and api_name in self._apis:
+        if isinstance(body, bytes) and api_name in self._apis:
             request = json_body(scope, body)
             data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
             if data is not None:

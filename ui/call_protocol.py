@@ -19,7 +19,7 @@ from gradio.data_classes import SimplePredictBody
 from gradio_client.utils import construct_args
 from pydantic import ValidationError
 
-from ui.asgi import Message, Receive, Scope, Send
+from ui.asgi import Message, Scope, Send
 
 # The largest body of a call the shortcut answers, read whole (chunked or not): a message is
 # at most MAX_TEXT_CHARS (12 KB as JSON escapes at worst), an image travels as a file
@@ -58,21 +58,6 @@ class RefusalLog:
 
 
 # ---- bodies -----------------------------------------------------------------------
-
-
-async def read_body(receive: Receive) -> tuple[list[Message], bytes | None]:
-    """The body's messages as read (to replay them), and the body: None when it is over
-    MAX_BODY_BYTES (the rest is left unread) or the client left before its end."""
-    messages: list[Message] = []
-    size, more = 0, True
-    while more:
-        message = await receive()
-        messages.append(message)
-        size += len(message.get("body", b""))
-        if message["type"] != "http.request" or size > MAX_BODY_BYTES:
-            return messages, None
-        more = message.get("more_body", False)
-    return messages, b"".join(m.get("body", b"") for m in messages)
 
 
 def json_body(scope: Scope, body: bytes) -> Any:

@@ -37,7 +37,7 @@ from gradio_client.utils import construct_args, is_file_obj_with_meta, is_http_u
 from pydantic import ValidationError
 from starlette.routing import get_route_path
 
-from ui.asgi import ASGIApp, Message, Receive, Scope, Send, replay, respond
+from ui.asgi import TOO_LARGE, ASGIApp, Receive, Scope, Send, read_body, replay, respond
 from ui.call_protocol import RefusalLog
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,6 @@ NOT_AN_UPLOAD = (
     "This app classifies files uploaded to it and does not fetch URLs: POST the file to "
     "/gradio_api/upload and pass the path it answers."
 )
-
-
-_TOO_LARGE = object()
 
 
 class Refusal(Exception):
@@ -76,12 +73,12 @@ class GradioGuard:
         if check is None:
             await self.app(scope, receive, send)
             return
-        messages, body = await _read(receive, self._max_body_bytes)
+        messages, body = await read_body(receive, self._max_body_bytes)
         try:
-            if body is _TOO_LARGE:
+            if body is TOO_LARGE:
                 limit = self._max_body_bytes
                 raise Refusal(413, f"The request body is larger than the limit of {limit:,} bytes.")
-            if body is not None and (request := _json(body)) is not None:  # else Gradio answers it
+            if isinstance(body, bytes) and (request := _json(body)) is not None:  # else Gradio answers it
                 check(request)
         except Refusal as refusal:
             client = scope.get("client") or ("unknown", 0)
@@ -267,20 +264,3 @@ def _json(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError):  # not JSON (invalid UTF-8 too), or nested too deep
         return None
-
-
-async def _read(receive: Receive, limit: int) -> tuple[list[Message], Any]:
-    """The body's messages as read, and the body: None when the client left before its end,
-    _TOO_LARGE past `limit` (the rest is never read)."""
-    messages: list[Message] = []
-    size = 0
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request":
-            return messages, None
-        size += len(message.get("body", b""))
-        if size > limit:
-            return messages, _TOO_LARGE
-        if not message.get("more_body", False):
-            return messages, b"".join(m.get("body", b"") for m in messages)
