@@ -221,7 +221,11 @@ def test_chunked_bodies_are_counted_and_cut_at_the_limit(served: Served, path: s
         )
         reply, sent = exchange(served, head, endless_chunks(FILE_PART if upload else b'{"data": ["'))
     assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
-    assert f"limit of {limit:,} bytes".encode() in reply and b"connection: close" in reply
+    ours = f"limit of {limit:,} bytes".encode() in reply and b"connection: close" in reply
+    # An upload's file part may pass Gradio's own max_file_size (the file alone) before the
+    # body passes this app's limit (the file and the form around it): either refusal holds.
+    gradios = upload and f"maximum allowed size of {UPLOAD_LIMIT} bytes".encode() in reply
+    assert ours or gradios, reply[:300]
     assert sent < limit + 16 * MIB  # what the sockets' buffers held when the answer came
     assert rss_bytes() - before < 50 * MIB, (rss_bytes() - before) / MIB
     assert not health.failures and health.slowest_s < HEALTHZ_MAX_S, (health.failures[:3], health.slowest_s)
