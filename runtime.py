@@ -50,7 +50,8 @@ def load_options(settings: Settings) -> LoadOptions:
     return LoadOptions(
         device=settings.device, half_precision=settings.half_precision,
         max_upload_bytes=settings.max_upload_bytes, max_image_pixels=settings.max_image_pixels,
-        max_text_chars=settings.max_text_chars,
+        max_text_chars=settings.max_text_chars, backend=settings.inference_backend,
+        export_dir=settings.export_dir,
     )  # fmt: skip
 
 

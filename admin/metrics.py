@@ -48,10 +48,12 @@ class _CacheStateCollector(Collector):
         yield breaker
         yield GaugeMetricFamily("infcache_generation", "Current cache generation", value=state["generation"])
         seconds = CounterMetricFamily("infcache_model_seconds", "Seconds spent in model forward passes",
-                                      labels=["task"])  # fmt: skip
+                                      labels=["task", "backend"])  # fmt: skip
+        models = self._engine.models
         calls = CounterMetricFamily("infcache_model_calls", "Model forward passes", labels=["task"])
         for task, value in counters.model_seconds.items():
-            seconds.add_metric([task], value)
+            backend = getattr(models.get(task), "backend", "torch")  # the one serving the task now
+            seconds.add_metric([task, backend], value)
             calls.add_metric([task], counters.model_calls.get(task, 0))
         yield seconds
         yield calls

@@ -15,12 +15,18 @@ from admin.warmup_tab import build_warmup_panel
 from engine.errors import InvalidInputError, ModelLoadError
 from engine.lifecycle import ReloadBusyError
 
-MODEL_HEADERS = ["task", "model", "version", "device"]
+MODEL_HEADERS = ["task", "model", "version", "device", "backend"]
 
 
 def model_rows(admin: AdminService) -> list[list[str]]:
     models = admin.cache_state_models()
-    return [[task, m["name"], m["version"], m["device"]] for task, m in models.items()]
+    return [[task, m["name"], m["version"], m["device"], _backend(m)] for task, m in models.items()]
+
+
+def _backend(model: dict[str, Any]) -> str:
+    """The backend, and why torch where onnxruntime was asked for and refused."""
+    reason = model.get("backend_reason")
+    return f"{model['backend']} ({reason})" if reason else model["backend"]
 
 
 def reload_message(result: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from engine.cleanup import Cleanup
 from engine.errors import CacheUnavailableError, InvalidInputError, ModelLoadError
 from engine.fleet import FleetAck, FleetMember
 from engine.lifecycle import ModelLifecycle, ReloadBusyError
+from engine.models.base import model_state
 from engine.service import InferenceEngine, RequestRecord
 from engine.warmup import WarmSet
 from storage.log_writer import RequestLogWriter
@@ -171,9 +172,8 @@ class AdminService:
         return list(self._engine.models)
 
     def cache_state_models(self) -> dict[str, dict[str, Any]]:
-        """Per task: the model's name, version and device (no Redis call)."""
-        models = self._engine.models.items()
-        return {t: {"name": m.name, "version": m.version, "device": m.device} for t, m in models}
+        """Per task: the model's name, version, device and backend (no Redis call)."""
+        return {t: model_state(m) for t, m in self._engine.models.items()}
 
     def shadow_report(self) -> dict[str, Any]:
         return shadow_report(self._engine)

@@ -85,10 +85,12 @@ def load_photos(names: Sequence[str] = PHOTOS) -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in names}
 
 
-def load_real_models(device: str) -> tuple[ImageClassifier, TextClassifier]:
-    """Both real models, as the app loads them (with default settings)."""
+def load_real_models(device: str, backend: str = "torch") -> tuple[ImageClassifier, TextClassifier]:
+    """Both real models, as the app loads them (with default settings) but by default on torch:
+    the benchmarks' baselines are plain torch, as a user's own app runs; `backend="auto"` is
+    what the app itself serves with (engine.models.onnx_backend)."""
     _quiet_transformers()
-    models = load_models(replace(Settings.from_env({}), device=device))
+    models = load_models(replace(Settings.from_env({}), device=device, inference_backend=backend))
     image, text = models["image"], models["text"]
     assert isinstance(image, ImageClassifier) and isinstance(text, TextClassifier)
     return image, text

@@ -41,13 +41,14 @@ class ClassifyResult:
     device: str
     age_s: float
     model_ms: float | None = None  # forward time, on the request that ran the model
+    backend: str = "torch"  # what runs the forward pass: "torch" or "onnxruntime"
 
     def cache_info(self) -> dict[str, Any]:
         # Spelled out: dataclasses.asdict deep-copies and costs ~20x more, on every request.
         return {
             "tier": self.tier, "key": self.key, "model": self.model, "model_version": self.model_version,
             "generation": self.generation, "latency_ms": self.latency_ms, "device": self.device,
-            "age_s": self.age_s,
+            "backend": self.backend, "age_s": self.age_s,
         }  # fmt: skip
 
 

@@ -31,7 +31,7 @@ from engine.errors import CacheSkippedError, CacheUnavailableError, InvalidInput
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.keys import CacheKey, digest_parts, raw_digest
-from engine.models.base import Classifier
+from engine.models.base import Classifier, model_state
 from engine.results import (  # re-exported: the engine's public types
     CachePolicy,
     ClassifyResult,
@@ -340,8 +340,7 @@ class InferenceEngine:
             "generation": self._generation.current,
             "l1": {"entries": mem.entries, "bytes": mem.bytes, "max_bytes": mem.max_bytes,
                    "evictions": mem.evictions},
-            "models": {t: {"name": m.name, "version": m.version, "device": m.device}
-                       for t, m in self._models.items()},
+            "models": {t: model_state(m) for t, m in self._models.items()},
             "batches": self.batch_summary(),
         }  # fmt: skip
         if self._l2 is None:
@@ -495,6 +494,7 @@ class InferenceEngine:
             device=model.device,
             age_s=0.0 if tier == "miss" else max(0.0, now - cached.created_at),
             model_ms=model_ms,
+            backend=getattr(model, "backend", "torch"),
         )
 
     def _canonicalize(self, model: Classifier, raw: Any, raw_key: str, budget: _L2Budget | None) -> Any:

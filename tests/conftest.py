@@ -79,10 +79,27 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return request.getfixturevalue("postgres_server").create_database(f"t_{uuid.uuid4().hex[:16]}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def onnx_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One ONNX export cache for the session (engine.models.onnx_backend): every runtime and
+    every `python app.py` the tests start reuses the export instead of paying it again."""
+    import os
+
+    folder = tmp_path_factory.mktemp("onnx")
+    before = os.environ.get("ONNX_EXPORT_DIR")
+    os.environ["ONNX_EXPORT_DIR"] = str(folder)  # inherited by the app processes tests start
+    yield folder
+    if before is None:
+        os.environ.pop("ONNX_EXPORT_DIR", None)
+    else:
+        os.environ["ONNX_EXPORT_DIR"] = before
+
+
 @pytest.fixture(scope="session")
-def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+def base_settings(tmp_path_factory: pytest.TempPathFactory, onnx_export_dir: Path) -> Settings:
     return replace(
         Settings.from_env({}),
+        onnx_export_dir=onnx_export_dir,
         data_dir=tmp_path_factory.mktemp("data"),
         redis_url="off",
         redis_socket_timeout_s=0.2,
@@ -96,8 +113,15 @@ def base_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 
 @pytest.fixture(scope="session")
 def real_models(base_settings: Settings) -> dict[str, Any]:
-    """The two real models, loaded once for the whole session."""
+    """The two real models, loaded once for the whole session, as the app serves them (its
+    default INFERENCE_BACKEND: onnxruntime on the CPU)."""
     return load_models(base_settings)
+
+
+@pytest.fixture(scope="session")
+def torch_models(base_settings: Settings) -> dict[str, Any]:
+    """The same two models on plain torch (the benchmarks' baselines, the backend's reference)."""
+    return load_models(replace(base_settings, inference_backend="torch"))
 
 
 class CountingTextModel:

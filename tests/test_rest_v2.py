@@ -33,7 +33,8 @@ from tests.conftest import CountingTextModel, FailingModel, free_port
 from ui.server import BackgroundServer, build_app, serve_runtime
 
 PARCEL = "Where is my parcel? It's a week late"
-CACHE_INFO_FIELDS = {"tier", "key", "model", "model_version", "generation", "latency_ms", "device", "age_s"}
+CACHE_INFO_FIELDS = {"tier", "key", "model", "model_version", "generation", "latency_ms", "device", "backend",
+                     "age_s"}  # fmt: skip
 SMALL_UPLOAD = 30_000  # stand-in servers: a body limit of oip_body_limit(30 000) = 105 536 bytes
 
 

@@ -42,6 +42,12 @@ def jobs() -> list[config.Job]:
     return inputs.make_inputs(IMAGES, MESSAGES)
 
 
+@pytest.fixture(scope="module")
+def model_sets(real_models, torch_models) -> dict[str, dict[str, Any]]:
+    """The benchmark's two model sets: the peers' plain torch, the app's own backend."""
+    return {config.TORCH_MODELS: torch_models, config.APP_MODELS: real_models}
+
+
 def expected_answers(models: dict[str, Any], jobs: list[config.Job]) -> list[config.Labels]:
     """What the model itself says about every input, decoded the engine's way."""
     answers = []
@@ -83,12 +89,14 @@ def test_streams_follow_their_workload() -> None:
 
 @pytest.mark.redis
 def test_every_system_answers_like_the_model_on_every_input(
-    jobs, real_models, redis_server: EmbeddedRedis, tmp_path: Path
+    jobs, model_sets, redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
-    expected = expected_answers(real_models, jobs)
     base_url = redis_server.url.rsplit("/", 1)[0]
     for db, name in enumerate(config.ALL_SYSTEMS):
-        models = peers.counting(real_models)
+        # Exactly the answers of the models the system runs (the app's backend agrees with
+        # torch within 1e-5, not bit for bit: tests/test_onnx_backend.py).
+        expected = expected_answers(model_sets[config.models_of(name)], jobs)
+        models = peers.counting(model_sets[config.models_of(name)])
         system = inprocess.build_system(
             name, models, redis_url=f"{base_url}/{db}", data_dir=tmp_path / name, device="cpu"
         )
@@ -104,21 +112,21 @@ def test_every_system_answers_like_the_model_on_every_input(
         calls = sum(m.calls for m in models.values())
         # nocache: every request; gr.cache and ours without Redis: again after the restart;
         # the others keep Redis.
-        runs = {"nocache": 3, "nocache-twin": 3, "grcache": 2, "ours-l1": 2}.get(name, 1)
+        runs = {"nocache": 3, "nocache-app": 3, "nocache-twin": 3, "grcache": 2, "ours-l1": 2}.get(name, 1)
         assert calls == runs * len(jobs), name
 
 
 @pytest.mark.redis
 def test_a_small_run_counts_right_and_ends_with_the_summary(
-    jobs, real_models, redis_binary, tmp_path
+    jobs, model_sets, redis_binary, tmp_path
 ) -> None:
     small = config.Config(
         requests=30, images=IMAGES, messages=MESSAGES, clients=4, segments=2, isolated=False, http=True,
-        hit_samples=10, rss_calls=8,
+        hit_samples=10, rss_calls=8, miss_inputs=2,
     )  # fmt: skip
-    run = cli.run_benchmark(small, models=real_models, log=lambda _: None, workdir=tmp_path)
+    run = cli.run_benchmark(small, models=model_sets, log=lambda _: None, workdir=tmp_path)
     streams = inputs.make_streams(len(jobs), small.requests)
-    expected = expected_answers(real_models, jobs)
+    expected = expected_answers(model_sets[config.TORCH_MODELS], jobs)  # within the tolerance: any set
 
     for name, stream in streams.items():
         by_system = run.results[name]
@@ -192,16 +200,17 @@ def test_a_small_run_counts_right_and_ends_with_the_summary(
     assert "plotly" in chart.read_text()
 
 
-def test_the_command_line_prints_the_summary_last(real_models, redis_binary, capsys) -> None:
+def test_the_command_line_prints_the_summary_last(model_sets, redis_binary, capsys) -> None:
     small = {
         "--requests": "10",
         "--images": "2",
         "--messages": "2",
         "--segments": "1",
         "--systems": "nocache,ours",
+        "--miss-inputs": "0",
     }
     argv = [*(part for pair in small.items() for part in pair), "--no-inputs-cache"]
-    assert cli.main(argv, models=real_models) == 0
+    assert cli.main(argv, models=model_sets) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     values = report.parse_summary(last)
     assert values["speedup_vs_nocache"] > 0 and np.isnan(values["speedup_vs_seed"])
@@ -210,7 +219,8 @@ def test_the_command_line_prints_the_summary_last(real_models, redis_binary, cap
 def test_the_summary_line_is_strict() -> None:
     good = (
         "SUMMARY speedup_vs_nocache=7.10 speedup_vs_grcache=1.50 speedup_vs_seed=1.30 "
-        "unique_vs_nocache=0.97 hit_ratio=0.882 gradio_vs_grcache=1.62 rest_vs_grcache=5.40 "
+        "unique_vs_nocache=0.97 speedup_vs_nocache_app=4.20 miss_cpu_vs_torch_image=0.48 "
+        "miss_cpu_vs_torch_text=0.41 hit_ratio=0.882 gradio_vs_grcache=1.62 rest_vs_grcache=5.40 "
         "rest_hit_p50_vs_gradio=0.120"
     )
     assert report.parse_summary(good)["hit_ratio"] == 0.882

@@ -227,6 +227,7 @@ def generation_key_evicted(run: Run) -> None:
                 break
             time.sleep(0.02)
         time.sleep(ctx.sizes.phase_s)
+        at_end = direct.get(GENERATION_KEY)  # tells a slow write-back from none at all
     stale = 0
     for o in run.observations:
         generation = (o.outcome.info or {}).get("generation")
@@ -237,6 +238,7 @@ def generation_key_evicted(run: Run) -> None:
     run.figure("generation before the loss", acked)
     run.figure("how the key went", how)
     run.figure("written back by a replica in", fmt_s(restored_in))
+    run.figure("the key at the end of the load", at_end.decode() if at_end is not None else "absent")
     run.figure("answers after the loss", f"{len(during)} ({tiers(during)})")
     run.check("the generation key was gone", how != "not evicted", how)
     run.check(f"written back within {20 * REFRESH_S:.0f}s", restored_in is not None, fmt_s(restored_in))

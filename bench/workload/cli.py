@@ -8,12 +8,11 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import bench.workload
 from bench.models import host_load, set_threads
@@ -27,8 +26,10 @@ from bench.workload.config import (
     HTTP_SESSIONS,
     IMAGES,
     MESSAGES,
+    MISS_INPUTS,
     QUICK_HIT_SAMPLES,
     QUICK_HTTP_REQUESTS,
+    QUICK_MISS_INPUTS,
     QUICK_REQUESTS,
     QUICK_RSS_CALLS,
     REPORT_PATH,
@@ -37,13 +38,15 @@ from bench.workload.config import (
     SEGMENTS,
     SYSTEMS,
     THREADS,
+    TORCH_MODELS,
     WORKLOADS,
     Config,
 )
 from bench.workload.inprocess import run_workload
 from bench.workload.inputs import cached_inputs, make_streams, zipf_stream
+from bench.workload.miss_cpu import miss_cpu_ratios
 from bench.workload.over_http import run_http
-from bench.workload.processes import load_models
+from bench.workload.processes import ModelSets, load_model_sets
 from bench.workload.replay import Result
 from bench.workload.report import Run, report_lines, summary_line, summary_values, write_chart, write_report
 
@@ -51,7 +54,7 @@ from bench.workload.report import Run, report_lines, summary_line, summary_value
 def run_benchmark(
     config: Config,
     *,
-    models: Mapping[str, Any] | None = None,
+    models: ModelSets | None = None,
     log: Callable[[str], None] = print,
     workdir: Path | None = None,
 ) -> Run:
@@ -93,16 +96,21 @@ def run_benchmark(
                 else zipf_stream(len(jobs), http_requests, config.zipf_s, config.seed)
             )
             http = run_http(stream, jobs, config, workdir, models=models, log=log)
-    values = summary_values(results, http)
-    device = "cpu"
-    if models is not None:
-        device = str(getattr(models["image"], "device", "cpu"))
-    elif config.device != "auto":
-        device = config.device
-    else:
-        import torch
+        device = "cpu"
+        if models is not None:
+            device = str(getattr(models[TORCH_MODELS]["image"], "device", "cpu"))
+        elif config.device != "auto":
+            device = config.device
+        else:
+            import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        miss_cpu: dict[str, float] = {}
+        if config.miss_inputs:
+            log(f"miss cost: {config.miss_inputs} new inputs per task, app backend against torch")
+            sets = models if models is not None else load_model_sets(device)
+            miss_cpu = miss_cpu_ratios(sets, jobs, config.miss_inputs, workdir / "miss-cost")
+    values = summary_values(results, http, miss_cpu)
     lines = report_lines(config, results, http, values, device)
     return Run(
         config, results, http, values, lines, progress, started_at, time.perf_counter() - started, device
@@ -156,6 +164,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=CLIENTS)
     parser.add_argument("--segments", type=int, default=SEGMENTS, help="turns per system (interleaving)")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument(
+        "--miss-inputs", type=int, default=None,
+        help=f"new inputs per task for the miss-cost ratios (default {MISS_INPUTS}, --quick "
+             f"{QUICK_MISS_INPUTS}; 0: not measured)",
+    )  # fmt: skip
     parser.add_argument(
         "--inputs-cache",
         type=Path,
@@ -228,11 +241,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
         http_sessions="without" if args.http_no_session else args.http_sessions,
         hit_samples=QUICK_HIT_SAMPLES if args.quick else HIT_SAMPLES,
         rss_calls=QUICK_RSS_CALLS if args.quick else RSS_CALLS,
+        miss_inputs=(
+            args.miss_inputs if args.miss_inputs is not None else QUICK_MISS_INPUTS if args.quick else MISS_INPUTS
+        ),
         inputs_cache=None if args.no_inputs_cache else args.inputs_cache,
     )
 
 
-def main(argv: Sequence[str] | None = None, *, models: Mapping[str, Any] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, models: ModelSets | None = None) -> int:
     from storage.embedded_redis import find_redis_server
 
     args = parse_args(argv)
@@ -244,7 +260,7 @@ def main(argv: Sequence[str] | None = None, *, models: Mapping[str, Any] | None 
         config = replace(config, isolated=False)
     elif not config.isolated:
         set_threads(config.threads)
-        models = load_models(config.device)
+        models = load_model_sets(config.device)
     command = "python -m bench.workload" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv)
     )

@@ -17,10 +17,11 @@ import numpy as np
 
 from bench.models import host_load, set_threads
 from bench.peers import CommonRecipe, CountingModel, GrCache, NoCache, Ours, System, counting, our_settings
-from bench.workload.config import REDIS_OVER_TCP, USES_REDIS, Config, Job, Labels
+from bench.workload.config import REDIS_OVER_TCP, USES_REDIS, Config, Job, Labels, models_of
 from bench.workload.processes import (
     ChildHandle,
     LocalHandle,
+    ModelSets,
     fresh_redis,
     load_models,
     peak_rss_mib,
@@ -53,7 +54,7 @@ def build_system(
         return Ours(models, replace(settings, batch_max_size=1), name)
     if name == "ours-signed":  # a fresh key per run: signing's cost, not a secret
         return Ours(models, replace(settings, cache_signing_keys=(secrets.token_urlsafe(32),)), name)
-    if name == "nocache-twin":
+    if name in ("nocache-twin", "nocache-app"):  # (the app's models are the caller's choice)
         return NoCache(models, name)
     raise ValueError(f"unknown system {name!r}")
 
@@ -77,7 +78,7 @@ class Worker:
         self,
         spec: WorkerSpec,
         *,
-        models: Mapping[str, Any] | None = None,
+        models: ModelSets | None = None,
         jobs: Sequence[Job] | None = None,
         isolated: bool = True,
     ) -> None:
@@ -95,10 +96,11 @@ class Worker:
         spec = self.spec
         if self._jobs is None:
             self._jobs = pickle.loads(Path(spec.inputs_path).read_bytes())
-        models = self._shared_models
-        if models is None:
+        if self._shared_models is not None:
+            models = self._shared_models[models_of(spec.system)]
+        else:
             set_threads(spec.threads)
-            models = load_models(spec.device)
+            models = load_models(spec.device, models_of(spec.system))
         self._models = counting(models)
         self._system = build_system(
             spec.system,
@@ -150,7 +152,7 @@ def run_workload(
     workdir: Path,
     inputs_path: Path,
     *,
-    models: Mapping[str, Any] | None = None,
+    models: ModelSets | None = None,
     jobs: Sequence[Job] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Result]:

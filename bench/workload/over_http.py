@@ -34,6 +34,7 @@ from bench.models import host_load
 from bench.oip_http import OipHttpClient
 from bench.workload.config import HTTP_PATHS, Config, Job, Labels
 from bench.workload.inputs import PNG_MAGIC
+from bench.workload.processes import ModelSets
 from bench.workload.replay import Result, replay, rotated, split_segments
 from bench.workload.servers import Servers
 
@@ -150,7 +151,7 @@ def run_http(
     config: Config,
     workdir: Path,
     *,
-    models: Mapping[str, Any] | None = None,
+    models: ModelSets | None = None,
     log: Callable[[str], None] = print,
 ) -> HttpRun:
     paths = config.http_paths

@@ -6,13 +6,16 @@ import multiprocessing
 import os
 import re
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench.workload.config import REDIS_MAXMEMORY_MB
+from bench.workload.config import APP_MODELS, REDIS_MAXMEMORY_MB, TORCH_MODELS
 from storage.embedded_redis import free_port
+
+# Loaded models shared by the systems of a run in one process: set name -> task -> model.
+ModelSets = Mapping[str, Mapping[str, Any]]
 
 
 def rss_mib() -> float:
@@ -36,11 +39,17 @@ def peak_rss_mib() -> float:
     return int(found.group(1)) / 1024 if found else float("nan")
 
 
-def load_models(device: str) -> dict[str, Any]:
+def load_models(device: str, models: str = TORCH_MODELS) -> dict[str, Any]:
+    """One model set (config.TORCH_MODELS or APP_MODELS) of both tasks."""
     from bench.models import load_real_models
 
-    image, text = load_real_models(device)
+    image, text = load_real_models(device, "torch" if models == TORCH_MODELS else "auto")
     return {"image": image, "text": text}
+
+
+def load_model_sets(device: str) -> ModelSets:
+    """Both sets, for a run whose systems share this process's models."""
+    return {name: load_models(device, name) for name in (TORCH_MODELS, APP_MODELS)}
 
 
 class Handle(Protocol):

@@ -29,7 +29,10 @@ from bench.workload.inputs import unique_requests
 from bench.workload.over_http import HttpRun, session_plan
 from bench.workload.replay import Result, same_answer
 
-IN_PROCESS_KEYS = ("speedup_vs_nocache", "speedup_vs_grcache", "speedup_vs_seed", "unique_vs_nocache")
+IN_PROCESS_KEYS = (
+    "speedup_vs_nocache", "speedup_vs_grcache", "speedup_vs_seed", "unique_vs_nocache",
+    "speedup_vs_nocache_app", "miss_cpu_vs_torch_image", "miss_cpu_vs_torch_text",
+)  # fmt: skip
 HTTP_KEYS = ("gradio_vs_grcache", "rest_vs_grcache", "rest_hit_p50_vs_gradio")
 SUMMARY_KEYS = (*IN_PROCESS_KEYS, "hit_ratio", *HTTP_KEYS)
 FINE_KEYS = frozenset({"hit_ratio", "rest_hit_p50_vs_gradio"})  # three decimals
@@ -58,8 +61,14 @@ def ratio(ours: Result | None, peer: Result | None) -> float:
 
 
 def summary_values(
-    results: Mapping[str, Mapping[str, Result]], http: HttpRun | None = None
+    results: Mapping[str, Mapping[str, Result]],
+    http: HttpRun | None = None,
+    miss_cpu: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
+    """The SUMMARY's ratios. `speedup_vs_nocache` is against plain torch (a user's own app);
+    `speedup_vs_nocache_app` against no cache on the app's own backend (the cache's gain alone);
+    `miss_cpu_vs_torch_*` the backend's, per task (bench.workload.miss_cpu)."""
+    nan = float("nan")
     zipf, unique = results.get("zipf-restart", {}), results.get("unique", {})
     ours = zipf.get("ours")
     over_http = http.results if http is not None else {}
@@ -70,6 +79,9 @@ def summary_values(
         "speedup_vs_grcache": ratio(ours, zipf.get("grcache")),
         "speedup_vs_seed": ratio(ours, zipf.get("seed")),
         "unique_vs_nocache": ratio(unique.get("ours"), unique.get("nocache")),
+        "speedup_vs_nocache_app": ratio(ours, zipf.get("nocache-app")),
+        "miss_cpu_vs_torch_image": (miss_cpu or {}).get("image", nan),
+        "miss_cpu_vs_torch_text": (miss_cpu or {}).get("text", nan),
         "hit_ratio": ours.hit_ratio if ours is not None else float("nan"),
         "gradio_vs_grcache": ratio(over_http.get("ours"), over_http.get("grcache")),
         "rest_vs_grcache": ratio(over_http.get("ours-rest"), over_http.get("grcache")),
@@ -148,6 +160,8 @@ def results_table(results: Mapping[str, Result]) -> str:
 def ratio_table(results: Mapping[str, Mapping[str, Result]]) -> str:
     rows = []
     pairs = [("ours", peer) for peer in PEERS] + [
+        ("ours", "nocache-app"),
+        ("nocache-app", "nocache"),
         ("ours-rest", "grcache"),
         ("ours-rest", "ours"),
         ("ours", "ours-l1"),
@@ -362,7 +376,8 @@ def write_chart(run: Run, path: Path) -> None:
         panels.append(("zipf-restart over HTTP", run.http.results))
     titles = [f"latency CDF: {name}" for name, _ in panels] + ["throughput (requests/s)"]
     fig = make_subplots(rows=1, cols=len(panels) + 1, subplot_titles=titles)
-    colours = {"nocache": "#7f7f7f", "seed": "#ff7f0e", "grcache": "#1f77b4", "ours": "#2ca02c",
+    colours = {"nocache": "#7f7f7f", "nocache-app": "#bcbd22", "seed": "#ff7f0e", "grcache": "#1f77b4",
+               "ours": "#2ca02c",
                "ours-l1": "#98df8a", "ours-tcp": "#ff9896", "ours-nobatch": "#c5b0d5",
                "ours-signed": "#f7b6d2", "nocache-twin": "#c7c7c7", "ours-rest": "#17becf"}  # fmt: skip
     for col, (_, by_system) in enumerate(panels, start=1):

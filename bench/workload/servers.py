@@ -22,10 +22,11 @@ import numpy as np
 
 from bench.models import set_threads
 from bench.peers import CountingModel, counting, our_settings
-from bench.workload.config import HTTP_PATHS, USES_REDIS, Config
+from bench.workload.config import HTTP_PATHS, USES_REDIS, Config, models_of
 from bench.workload.processes import (
     ChildHandle,
     LocalHandle,
+    ModelSets,
     fresh_redis,
     load_models,
     peak_rss_mib,
@@ -106,9 +107,7 @@ class ServerSpec:
 class HttpServer:
     """One app served by uvicorn in a thread of this process (a child process, or the tests')."""
 
-    def __init__(
-        self, spec: ServerSpec, *, models: Mapping[str, Any] | None = None, isolated: bool = True
-    ) -> None:
+    def __init__(self, spec: ServerSpec, *, models: ModelSets | None = None, isolated: bool = True) -> None:
         os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
         self.spec = spec
         self._shared_models = models
@@ -120,10 +119,11 @@ class HttpServer:
         from ui.server import BackgroundServer
 
         spec = self.spec
-        models = self._shared_models
-        if models is None:
+        if self._shared_models is not None:
+            models = self._shared_models[models_of(spec.app)]
+        else:
             set_threads(spec.threads)
-            models = load_models(spec.device)
+            models = load_models(spec.device, models_of(spec.app))
         self._models = counting(models)
         settings = our_settings(spec.redis_url, Path(spec.data_dir), spec.device)
         if spec.app == "ours":
@@ -178,7 +178,7 @@ class Servers:
         workdir: Path,
         stack: ExitStack,
         *,
-        models: Mapping[str, Any] | None = None,
+        models: ModelSets | None = None,
     ) -> None:
         self._config = config
         self._workdir = workdir

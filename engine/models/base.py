@@ -56,6 +56,14 @@ class Classifier(Protocol):
         """Classify canonical inputs; one Prediction per input, same order."""
 
 
+def model_state(model: Classifier) -> dict[str, Any]:
+    """What /readyz, the console and the admin API say of a served model. `backend_reason`:
+    why torch serves it (no export, the probe disagreed, a setting); None on onnxruntime."""
+    return {"name": model.name, "version": model.version, "device": model.device,
+            "backend": getattr(model, "backend", "torch"),
+            "backend_reason": getattr(model, "backend_reason", None)}  # fmt: skip
+
+
 def takes_image(model: object) -> bool:
     """Whether a model takes an image file (else a message): config-defined models and the
     built-ins name their `kind`; a model without one is known by its task."""

@@ -6,6 +6,7 @@
         source: transformers            # a local folder written by save_pretrained
         path: /data/models/sentiment
         device: cpu                     # optional: auto | cpu | cuda (default: DEVICE)
+        backend: onnxruntime            # optional: auto | torch | onnxruntime (default: INFERENCE_BACKEND)
         max_batch: 8                    # optional: inputs per forward pass (1: no batching)
         top_k: 3                        # optional: classes per answer (default 5)
         ttl_s: 3600                     # optional: L2 TTL of its answers (default CACHE_TTL_S)
@@ -34,10 +35,11 @@ BUILTINS = {
 }
 SOURCES = ("transformers", *BUILTINS)
 DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "torch", "onnxruntime")  # engine.models.onnx_backend
 # A task becomes an API name (classify_<task>), a URL segment and a Redis key part:
 # lower-case letters, digits, '_' and '-', and never ':' (the key separator).
 TASK_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
-_KEYS = {"task", "kind", "source", "path", "device", "max_batch", "top_k", "ttl_s"}
+_KEYS = {"task", "kind", "source", "path", "device", "backend", "max_batch", "top_k", "ttl_s"}
 
 
 class ModelConfigError(ModelLoadError):
@@ -56,6 +58,7 @@ class ModelSpec:
     max_batch: int | None = None
     top_k: int | None = None
     ttl_s: int | None = None
+    backend: str | None = None
 
     @property
     def builtin(self) -> bool:
@@ -129,10 +132,13 @@ def parse_entry(entry: Any, index: int, *, base: Path) -> ModelSpec:
     device = entry.get("device")
     if device is not None and device not in DEVICES:
         raise ModelConfigError(f"{where}: device {device!r} must be one of {', '.join(DEVICES)}")
+    backend = entry.get("backend")
+    if backend is not None and backend not in BACKENDS:
+        raise ModelConfigError(f"{where}: backend {backend!r} must be one of {', '.join(BACKENDS)}")
     return ModelSpec(
         task=task, kind=kind, source=source, path=path, device=device,
         max_batch=_positive(entry, "max_batch", where), top_k=_positive(entry, "top_k", where),
-        ttl_s=_positive(entry, "ttl_s", where),
+        ttl_s=_positive(entry, "ttl_s", where), backend=backend,
     )  # fmt: skip
 
 

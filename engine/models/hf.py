@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from engine.errors import InvalidInputError, ModelError, ModelLoadError
 from engine.inputs import CanonicalImage, canonicalize_image
 from engine.models.base import TOP_K, Prediction
 from engine.models.device import describe, in_owned_memory, select_device
+from engine.models.onnx_backend import BackendSeam, ExportPlan, NamedOutput
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,11 @@ class TokenizedText:
         return b"tokens:", np.asarray(self.ids, dtype=np.int64).tobytes()
 
 
-class _Base:
+PROBE_MESSAGES = ("Hello, is this thing on?", "Where is my refund?", "The parcel never arrived at my house.",
+                  "  Hallo, wie geht's? ﬁne ☃", "ok", "the parcel never arrived " * 40)  # fmt: skip
+
+
+class _Base(BackendSeam):
     kind: str
     name: str
     version: str
@@ -182,7 +187,20 @@ class HFTextClassifier(_Base):
             max_length=self._max_tokens, return_tensors="pt",
         ).to(self._torch_device)  # fmt: skip
         with torch.inference_mode():
-            return self._top(self._model(**encoded).logits)
+            return self._top(self._pass(encoded))
+
+    def _torch_pass(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self._model(**tensors).logits
+
+    def export_plan(self) -> ExportPlan:
+        texts = ["probe", "a longer probe message"] if self._pads else ["a probe message"]
+        encoded = self._tokenizer(texts, padding=self._pads, padding_side="right", return_tensors="pt")
+        names = list(encoded.keys())
+        dynamic = {name: {0: "batch", 1: "tokens"} for name in [*names, "output"]}
+        return ExportPlan(NamedOutput(self._model, names, "logits"), dict(encoded), dynamic)
+
+    def probe_inputs(self) -> list[TokenizedText]:
+        return [self.canonicalize(m[: self._max_text_chars]) for m in PROBE_MESSAGES]
 
 
 class HFImageClassifier(_Base):
@@ -224,4 +242,20 @@ class HFImageClassifier(_Base):
             return_tensors="pt",
         )["pixel_values"]  # fmt: skip
         with torch.inference_mode():
-            return self._top(self._model(pixel_values=pixels.to(self._torch_device)).logits)
+            return self._top(self._pass({"pixel_values": pixels.to(self._torch_device)}))
+
+    def _torch_pass(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self._model(**tensors).logits
+
+    def export_plan(self) -> ExportPlan:
+        pixels = self._processor(images=[np.zeros((64, 64, 3), dtype=np.uint8)] * 2,
+                                 input_data_format="channels_last", return_tensors="pt")["pixel_values"]
+        # Height and width too: a processor that resizes without cropping gives each image its size.
+        dynamic = {"pixel_values": {0: "batch", 2: "height", 3: "width"}, "output": {0: "batch"}}
+        return ExportPlan(NamedOutput(self._model, ["pixel_values"], "logits"), {"pixel_values": pixels},
+                          dynamic)  # fmt: skip
+
+    def probe_inputs(self) -> list[CanonicalImage]:
+        from engine.models.image import probe_images
+
+        return probe_images(self.canonicalize)

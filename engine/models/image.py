@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.errors import ModelError, ModelLoadError
 from engine.inputs import CanonicalImage, canonicalize_image
 from engine.models.base import TOP_K, Prediction
 from engine.models.device import describe, select_device
+from engine.models.onnx_backend import BackendSeam, ExportPlan
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,32 @@ def map_state_dict(source: dict[str, torch.Tensor], target: torch.nn.Module) -> 
     return mapped
 
 
-class ImageClassifier:
+PROBE_PHOTOS = ("chelsea.png", "coffee.png", "rocket.jpg")
+
+
+def probe_images(canonicalize: Callable[[bytes], CanonicalImage]) -> list[CanonicalImage]:
+    """The backend probe (engine.models.onnx_backend): deterministic synthetic images (noise, a
+    gradient, a flat grey, odd sizes) and scikit-image's sample photos where installed."""
+    rng = np.random.default_rng(25)
+    ramp = np.linspace(0, 255, 300 * 200, dtype=np.float64).reshape(200, 300)
+    images = [
+        rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
+        np.stack([ramp, ramp[::-1], np.full_like(ramp, 90)], axis=-1).astype(np.uint8),
+        np.full((97, 131, 3), 127, dtype=np.uint8),
+    ]
+    probes = [CanonicalImage(pixels) for pixels in images]
+    try:
+        import skimage
+
+        folder = Path(skimage.__file__).parent / "data"
+        probes += [canonicalize((folder / name).read_bytes()) for name in PROBE_PHOTOS
+                   if (folder / name).is_file()]  # fmt: skip
+    except ImportError:  # the photos are a bonus; the synthetic images always run
+        pass
+    return probes
+
+
+class ImageClassifier(BackendSeam):
     """Top-5 ImageNet classes for an uploaded image."""
 
     task = "image"
@@ -142,6 +169,16 @@ class ImageClassifier:
         chw = torch.from_numpy(pixels.copy()).permute(2, 0, 1)
         return self._transform(chw)
 
+    def _torch_pass(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self._model(tensors["pixels"])
+
+    def export_plan(self) -> ExportPlan:
+        example = {"pixels": torch.zeros(2, 3, CROP, CROP)}
+        return ExportPlan(self._model, example, {"pixels": {0: "batch"}, "output": {0: "batch"}})
+
+    def probe_inputs(self) -> list[CanonicalImage]:
+        return probe_images(self.canonicalize)
+
     def predict_batch(self, inputs: Sequence[CanonicalImage]) -> list[Prediction]:
         if self._model.training:
             raise ModelError("refusing to serve a model in training mode")
@@ -149,7 +186,7 @@ class ImageClassifier:
             return []
         batch = torch.stack([self.preprocess(image) for image in inputs])
         with torch.inference_mode():
-            logits = self._model(batch.to(self._torch_device, dtype=self._dtype))
+            logits = self._pass({"pixels": batch.to(self._torch_device, dtype=self._dtype)})
             probs = torch.softmax(logits.float(), dim=1)
             top = torch.topk(probs, min(self.top_k, probs.shape[1]), dim=1)
         scores = top.values.cpu().tolist()

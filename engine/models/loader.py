@@ -9,6 +9,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from engine.errors import ModelLoadError
 from engine.inputs import CanonicalImage
 from engine.models.base import TOP_K, Classifier
 from engine.models.config import ModelConfigError, ModelSpec
+from engine.models.onnx_backend import attach
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,10 @@ class LoadOptions:
     max_upload_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 40_000_000
     max_text_chars: int = 2000
+    # The forward pass (engine.models.onnx_backend): auto | torch | onnxruntime, and where exports
+    # are kept (None: exported in memory at every load, never written).
+    backend: str = "torch"
+    export_dir: Path | None = None
 
 
 def build_model(spec: ModelSpec, options: LoadOptions) -> Classifier:
@@ -38,6 +44,8 @@ def build_model(spec: ModelSpec, options: LoadOptions) -> Classifier:
     try:
         model = _construct(spec, options)
         check_model(model)
+        # After the torch check: a model that loads always serves, on torch if need be.
+        attach(model, spec.backend or options.backend, export_dir=options.export_dir)
     except ModelConfigError:
         raise
     except ModelLoadError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from engine.errors import ModelError, ModelLoadError
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import TOP_K, Prediction
 from engine.models.device import describe, in_owned_memory, select_device
+from engine.models.onnx_backend import BackendSeam, ExportPlan, NamedOutput
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,12 @@ class IntentSet:
         return cls(tuple(names), tuple(examples), tuple(descriptions), temperature, raw)
 
 
-class TextClassifier:
+# The backend probe's messages besides the first example of each intent (engine.models.onnx_backend).
+PROBE_MESSAGES = ("Hello, is this thing on?", "I was charged twice for one order, please refund me",
+                  "Wo ist mein Paket? Es kam nie an.", "ok", "the parcel never arrived " * 8)  # fmt: skip
+
+
+class TextClassifier(BackendSeam):
     """Top-5 support intents for a short message."""
 
     task = "text"
@@ -119,10 +125,23 @@ class TextClassifier:
             list(texts), padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
         ).to(self._torch_device)
         with torch.inference_mode():
-            hidden = self._model(**encoded).last_hidden_state
+            hidden = self._pass(encoded)
             mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
             return torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+
+    def _torch_pass(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self._model(**tensors).last_hidden_state
+
+    def export_plan(self) -> ExportPlan:
+        encoded = self._tokenizer(["probe", "a longer probe message"], padding=True, return_tensors="pt")
+        names = list(encoded.keys())
+        dynamic = {name: {0: "batch", 1: "tokens"} for name in [*names, "output"]}
+        return ExportPlan(NamedOutput(self._model, names, "last_hidden_state"), dict(encoded), dynamic)
+
+    def probe_inputs(self) -> list[CanonicalText]:
+        messages = [phrases[0] for phrases in self.intents.examples] + list(PROBE_MESSAGES)
+        return [self.canonicalize(m) for m in messages]
 
     def _build_centroids(self) -> torch.Tensor:
         centroids = []
