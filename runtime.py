@@ -23,9 +23,10 @@ from engine.lifecycle import ModelLifecycle
 from engine.models.base import Classifier
 from engine.models.config import DEFAULT_SPECS, ModelSpec, load_config
 from engine.models.loader import LoadOptions, build_model, load_all
+from engine.models.onnx_backend import TorchThreads
 from engine.service import CachePolicy, InferenceEngine
 from engine.warmup import WarmSet
-from settings import Settings
+from settings import Settings, usable_cores
 from storage.breaker import CircuitBreaker
 from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 from storage.errors import CacheUnavailableError
@@ -51,7 +52,8 @@ def load_options(settings: Settings) -> LoadOptions:
         device=settings.device, half_precision=settings.half_precision,
         max_upload_bytes=settings.max_upload_bytes, max_image_pixels=settings.max_image_pixels,
         max_text_chars=settings.max_text_chars, backend=settings.inference_backend,
-        export_dir=settings.export_dir,
+        export_dir=settings.export_dir, cpu_cores=usable_cores(),
+        miss_concurrency_cpu=settings.miss_concurrency_cpu,
     )  # fmt: skip
 
 
@@ -76,6 +78,7 @@ class Runtime:
     fleet: FleetMember | None = None  # with Redis: this replica in the fleet (engine.fleet)
     lifecycle: ModelLifecycle | None = None  # live model reloads (engine.lifecycle)
     warm_set: WarmSet | None = None  # WARM_SET_SIZE > 0 with Redis: warm-up (engine.warmup)
+    torch_threads: TorchThreads | None = None  # torch's pool for the models served (onnx_backend)
 
     def close(self) -> None:
         self._stack.close()
@@ -183,8 +186,16 @@ def build_runtime(
         warm_set = _warm_set(settings, engine, l2)
         if warm_set is not None:
             stack.callback(warm_set.close)  # stops before the engine and the store it uses
-        lifecycle = ModelLifecycle(engine=engine, load=model_loader, on_swap=(
-            None if warm_set is None else lambda task, _old, _new: warm_set.trigger([task])))  # fmt: skip
+        torch_threads = TorchThreads()
+        torch_threads.apply(loaded.values())
+        stack.callback(torch_threads.restore)
+
+        def on_swap(task: str, _old: Classifier, _new: Classifier) -> None:
+            torch_threads.apply(engine.models.values())  # the new model may run on torch
+            if warm_set is not None:
+                warm_set.trigger([task])
+
+        lifecycle = ModelLifecycle(engine=engine, load=model_loader, on_swap=on_swap)
         cleanup = Cleanup(l2, prefix=settings.cache_prefix, current=lambda: (
             {task: model.version for task, model in engine.models.items()}, engine.generation))  # fmt: skip
         stack.callback(cleanup.close)  # its job stops before the store closes
@@ -223,6 +234,7 @@ def build_runtime(
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
             log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle, warm_set=warm_set,
+            torch_threads=torch_threads,
         )  # fmt: skip
     except BaseException:
         stack.close()

@@ -30,8 +30,8 @@ from typing import Any
 from bench.models import format_table
 from engine.models.base import Classifier
 from engine.models.config import DEFAULT_SPECS
-from engine.models.loader import LoadOptions, load_all
-from runtime import Runtime, build_runtime
+from engine.models.loader import load_all
+from runtime import Runtime, build_runtime, load_options
 from settings import Settings
 
 BACKENDS = ("torch", "onnxruntime")
@@ -50,7 +50,9 @@ class Totals:
 
 
 def load(backend: str, export_dir: Path) -> dict[str, Classifier]:
-    options = LoadOptions(device="cpu", backend=backend, export_dir=export_dir)
+    # As the app loads them (runtime.load_options): its session threads and pass slots.
+    settings = replace(Settings.from_env({}), device="cpu", inference_backend=backend)
+    options = load_options(replace(settings, onnx_export_dir=export_dir))
     started = time.perf_counter()
     models = load_all(DEFAULT_SPECS, options)
     print(f"{backend}: models loaded in {time.perf_counter() - started:.1f} s "
@@ -81,6 +83,8 @@ def timed_chunk(runtime: Runtime, task: str, inputs: Sequence[Any], clients: int
             raise SystemExit(f"expected a miss, got {result.tier}")
         return 1000 * (time.perf_counter() - started)
 
+    if runtime.torch_threads is not None:  # as if alone in its process (the setting is process-wide)
+        runtime.torch_threads.apply(runtime.engine.models.values())
     cpu = time.process_time()
     if clients == 1:
         latencies = [one(raw) for raw in inputs]

@@ -224,6 +224,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     requests = args.requests or (QUICK_REQUESTS if args.quick else FULL_REQUESTS)
     http = (args.http or args.http_only or args.http_no_session or args.quick) and not args.no_http
     http_requests = args.http_requests or (QUICK_HTTP_REQUESTS if args.quick and not args.requests else None)
+    miss_inputs = QUICK_MISS_INPUTS if args.quick else MISS_INPUTS
+    if args.miss_inputs is not None:
+        miss_inputs = args.miss_inputs
     return Config(
         requests=requests,
         images=args.images,
@@ -241,9 +244,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         http_sessions="without" if args.http_no_session else args.http_sessions,
         hit_samples=QUICK_HIT_SAMPLES if args.quick else HIT_SAMPLES,
         rss_calls=QUICK_RSS_CALLS if args.quick else RSS_CALLS,
-        miss_inputs=(
-            args.miss_inputs if args.miss_inputs is not None else QUICK_MISS_INPUTS if args.quick else MISS_INPUTS
-        ),
+        miss_inputs=miss_inputs,
         inputs_cache=None if args.no_inputs_cache else args.inputs_cache,
     )
 
