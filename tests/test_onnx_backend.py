@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -285,3 +286,66 @@ def test_a_pass_the_session_fails_on_is_answered_by_torch(tiny_folder: Path, tmp
     model.use_onnx(Failing())  # during the probe a failure shows
     with pytest.raises(RuntimeError, match="cannot take"):
         model.predict_batch([message])
+
+
+def test_a_pass_the_session_fails_on_logs_one_line_without_a_traceback(
+    tiny_folder: Path, tmp_path: Path, caplog
+) -> None:
+    model = load_tiny(tiny_folder, tmp_path, None)
+
+    class Failing:
+        def __call__(self, tensors: Any) -> Any:
+            raise RuntimeError("a shape the graph cannot take")
+
+    model.use_onnx(Failing(), fallback=True)  # type: ignore[arg-type]
+    caplog.set_level(logging.WARNING)
+    for _ in range(3):  # an input may repeat it at will: a line each, never a traceback
+        model.predict_batch([model.canonicalize("where is my refund")])
+    lines = [r for r in caplog.records if "torch answered it" in r.getMessage()]
+    assert len(lines) == 3 and all(r.exc_info is None for r in lines)
+    assert "RuntimeError: a shape the graph cannot take" in lines[0].getMessage()
+
+
+class _Served:
+    """What TorchThreads and LoadOptions look at: where a model runs and whether it batches."""
+
+    def __init__(self, device: str = "cpu", backend: str = "onnxruntime", batch_misses: bool = False) -> None:
+        self.device, self.backend, self.batch_misses = device, backend, batch_misses
+
+
+def test_each_onnx_session_gets_the_cores_divided_among_its_concurrent_passes() -> None:
+    options = LoadOptions(cpu_cores=8, miss_concurrency_cpu=4)
+    assert options.session_threads(_Served()) == 2  # 4 passes at once on 8 cores
+    assert options.session_threads(_Served(batch_misses=True)) == 8  # one batched pass at a time
+    assert LoadOptions(cpu_cores=2, miss_concurrency_cpu=4).session_threads(_Served()) == 1
+    assert LoadOptions().session_threads(_Served()) == 1
+
+
+def test_torch_keeps_one_thread_only_while_no_cpu_model_runs_on_torch() -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    threads = onnx_backend.TorchThreads()
+    try:
+        assert threads.apply([_Served(), _Served(batch_misses=True)]) == 1 == torch.get_num_threads()
+        assert threads.apply([_Served(), _Served(backend="torch")]) == before == torch.get_num_threads()
+        on_cuda = _Served(device="cuda:0", backend="torch")  # its passes do not use the CPU pool
+        assert threads.wanted([on_cuda, _Served()]) == 1
+    finally:
+        threads.restore()
+    assert torch.get_num_threads() == before
+
+
+def test_the_runtime_sets_torchs_threads_from_the_models_it_serves(
+    base_settings: Settings, real_models: dict[str, Any], tmp_path: Path
+) -> None:
+    import torch
+
+    from runtime import build_runtime
+
+    before = torch.get_num_threads()
+    settings = replace(base_settings, data_dir=tmp_path / "data")
+    with build_runtime(settings, models=dict(real_models)) as runtime:
+        assert all(m.backend == "onnxruntime" for m in real_models.values())
+        assert torch.get_num_threads() == 1 and runtime.torch_threads is not None
+    assert torch.get_num_threads() == before
