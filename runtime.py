@@ -11,10 +11,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from admin.auth import AdminAuth, generate_token
+from admin.clients import ClientActivity, FairnessCollector
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
 from engine.cleanup import Cleanup
 from engine.codec import ValueCodec
+from engine.fairness import MissBudget
 from engine.fleet import FleetMember
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
@@ -28,6 +30,7 @@ from engine.service import CachePolicy, InferenceEngine
 from engine.warmup import WarmSet
 from settings import Settings, usable_cores
 from storage.breaker import CircuitBreaker
+from storage.client_buckets import RedisBuckets
 from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 from storage.errors import CacheUnavailableError
 from storage.log_writer import RequestLogWriter
@@ -79,6 +82,7 @@ class Runtime:
     lifecycle: ModelLifecycle | None = None  # live model reloads (engine.lifecycle)
     warm_set: WarmSet | None = None  # WARM_SET_SIZE > 0 with Redis: warm-up (engine.warmup)
     torch_threads: TorchThreads | None = None  # torch's pool for the models served (onnx_backend)
+    client_activity: ClientActivity | None = None  # the console's Busiest clients (admin.clients)
 
     def close(self) -> None:
         self._stack.close()
@@ -181,6 +185,7 @@ def build_runtime(
             miss_concurrency={task: settings.miss_concurrency_for(m.device) for task, m in loaded.items()},
             codec=ValueCodec([key.encode() for key in settings.cache_signing_keys]),
             shadow_sample_rate=settings.shadow_sample_rate, fleet_flight=flight,
+            miss_budget=_miss_budget(settings, l2, policy),
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
         warm_set = _warm_set(settings, engine, l2)
@@ -228,17 +233,29 @@ def build_runtime(
         engine.add_listener(writer.submit)
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
+        client_activity = ClientActivity()  # Busiest clients; refusals and queue waits in /metrics
+        engine.add_listener(client_activity.observe)
+        metrics.registry.register(FairnessCollector(engine, client_activity))
         admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet,
                              lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set)  # fmt: skip
         auth = AdminAuth(settings.admin_token or _generated_token())
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
             log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle, warm_set=warm_set,
-            torch_threads=torch_threads,
+            torch_threads=torch_threads, client_activity=client_activity,
         )  # fmt: skip
     except BaseException:
         stack.close()
         raise
+
+
+def _miss_budget(settings: Settings, l2: RedisStore | None, policy: CachePolicy) -> MissBudget | None:
+    """CLIENT_MISS_RATE > 0: each client's misses spend from one bucket for the fleet (in
+    Redis, under the prefix's meta keys, which a flush keeps), or this process's own."""
+    if settings.client_miss_rate <= 0:
+        return None
+    shared = RedisBuckets(l2, prefix=f"{policy.meta_prefix}miss-budget:") if l2 is not None else None
+    return MissBudget(rate=settings.client_miss_rate, burst=settings.client_miss_burst, shared=shared)
 
 
 def _warm_set(settings: Settings, engine: InferenceEngine, l2: RedisStore | None) -> WarmSet | None:

@@ -251,6 +251,13 @@ def usable_cores() -> int:
 # overlap; more queue on the device).
 MISS_CONCURRENCY_CUDA = 4
 MIN_SIGNING_KEY_BYTES = 32
+# A person clicking through the demo starts a new input every few seconds at most, a handful
+# in a row when trying the examples; a script that sends new inputs as fast as it can is held
+# to one every 2 s after its first 20 (on 2 CPUs a model pass takes 10-50 ms: a flooder then
+# holds a few % of the model, against all of it without a budget).
+CLIENT_MISS_RATE = 0.5
+CLIENT_MISS_BURST = 20
+FORWARDED_ALLOW_IPS = "127.0.0.1,::1"  # uvicorn's default
 
 
 @dataclass(frozen=True)
@@ -323,6 +330,12 @@ class Settings:
     # after a model swap or a generation bump (engine.warmup); 0: off, nothing kept.
     warm_set_size: int = 0
     warm_set_ttl_s: int = 86_400
+    # Fairness (engine.fairness): misses each client may start per second, and how many at
+    # once after a pause (a token bucket shared by the fleet through Redis); 0: no budget.
+    client_miss_rate: float = CLIENT_MISS_RATE
+    client_miss_burst: int = CLIENT_MISS_BURST
+    # Peers whose X-Forwarded-For names the client (uvicorn's setting and default); "*": any.
+    forwarded_allow_ips: str = FORWARDED_ALLOW_IPS
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -392,4 +405,7 @@ class Settings:
             models_config=_models_config(env),
             warm_set_size=_int(env, "WARM_SET_SIZE", 0, minimum=0),
             warm_set_ttl_s=_int(env, "WARM_SET_TTL_S", 86_400, minimum=1),
+            client_miss_rate=_float(env, "CLIENT_MISS_RATE", CLIENT_MISS_RATE, minimum=0.0),
+            client_miss_burst=_int(env, "CLIENT_MISS_BURST", CLIENT_MISS_BURST, minimum=1),
+            forwarded_allow_ips=env.get("FORWARDED_ALLOW_IPS", "").strip() or FORWARDED_ALLOW_IPS,
         )

@@ -8,11 +8,13 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from admin.stats import LATENCY_BUCKETS_MS, OVERFLOW_MS, TIERS
+from admin.stats import LATENCY_BUCKETS_MS, OVERFLOW_MS, REFUSED, TIERS
 
-TIER_COLOURS = {"l1": "#16a34a", "l2": "#2563eb", "coalesced": "#9333ea", "miss": "#ea580c"}
+TIER_COLOURS = {"l1": "#16a34a", "l2": "#2563eb", "coalesced": "#9333ea", "miss": "#ea580c",
+                REFUSED: "#6b7280"}  # fmt: skip
 OVERFLOW_PLOT_MS = 20_000.0  # where the "slower than every bound" bucket is drawn
-TIER_NAMES = {"l1": "L1 memory", "l2": "L2 Redis", "coalesced": "coalesced", "miss": "miss (model)"}
+TIER_NAMES = {"l1": "L1 memory", "l2": "L2 Redis", "coalesced": "coalesced", "miss": "miss (model)",
+              REFUSED: "refused miss (client over budget)"}  # fmt: skip
 
 
 def _layout(fig: go.Figure, title: str, **extra: Any) -> go.Figure:
@@ -51,7 +53,7 @@ def tiers_figure(per_minute: list[dict[str, Any]]) -> go.Figure:
                 name=TIER_NAMES[tier],
                 marker_color=TIER_COLOURS[tier],
             )
-            for tier in TIERS
+            for tier in (*TIERS, REFUSED)
         ]
     )
     return _layout(fig, "Requests by tier per minute", barmode="stack")

@@ -13,6 +13,9 @@ from storage.sql import RequestRow
 
 HIT_TIERS = ("l1", "l2", "coalesced")
 TIERS = ("l1", "l2", "coalesced", "miss")
+# Refused misses (the client's miss budget, engine.fairness): drawn with the tiers, never
+# counted as answers (hit rate, totals).
+REFUSED = "refused"
 # Latency histogram bucket upper bounds (ms), log-spaced: hits live in the first few.
 LATENCY_BUCKETS_MS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 OVERFLOW_MS = 1e9  # the "slower than every bound" bucket (JSON has no infinity)
@@ -112,16 +115,17 @@ def per_minute(engine: Engine, *, now: float, window_s: float) -> list[MinuteBuc
     minute = (func.floor(RequestRow.at / 60) * 60).label("minute")
     with engine.connect() as conn:
         rows = conn.execute(
-            select(minute, RequestRow.tier, func.count())
-            .where(_window(now, window_s), RequestRow.status == "ok")
-            .group_by(minute, RequestRow.tier)
+            select(minute, RequestRow.tier, RequestRow.status, func.count())
+            .where(_window(now, window_s), RequestRow.status.in_(("ok", REFUSED)))
+            .group_by(minute, RequestRow.tier, RequestRow.status)
             .order_by(minute)
         ).all()
     buckets: dict[float, dict[str, int]] = {}
-    for start, tier, count in rows:
-        buckets.setdefault(float(start), {t: 0 for t in TIERS})[tier] = count
+    for start, tier, status, count in rows:
+        tiers = buckets.setdefault(float(start), {t: 0 for t in (*TIERS, REFUSED)})
+        tiers[REFUSED if status == REFUSED else tier] += count
     return [
-        MinuteBucket(start, sum(tiers.values()), sum(tiers[t] for t in HIT_TIERS), tiers)
+        MinuteBucket(start, sum(tiers[t] for t in TIERS), sum(tiers[t] for t in HIT_TIERS), tiers)
         for start, tiers in sorted(buckets.items())
     ]
 

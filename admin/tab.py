@@ -12,6 +12,8 @@ import gradio as gr
 
 from admin.auth import AdminAuth, AuthOutcome
 from admin.charts import all_figures
+from admin.clients import ClientActivity
+from admin.clients_tab import build_clients_panel
 from admin.models_tab import build_models_panel
 from admin.replicas_tab import build_replicas_panel, fleet_line
 from admin.service import WINDOWS_S, AdminService, LogUnavailableError
@@ -142,8 +144,8 @@ def make_callbacks(admin: AdminService, auth: AdminAuth) -> dict[str, Callable[.
     return {"sign_in": sign_in, "sign_out": sign_out, "refresh": refresh, "flush": flush, "bump": bump}
 
 
-def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
-    """Call inside a `gr.Blocks` context (within `gr.Tabs`)."""
+def build_admin_tab(admin: AdminService, auth: AdminAuth, clients: ClientActivity | None = None) -> None:
+    """Call inside a `gr.Blocks` context (within `gr.Tabs`). `clients`: the Busiest clients table."""
     cb = make_callbacks(admin, auth)
     private = {"api_visibility": "undocumented"}  # callable (and refused) without sign-in, not listed
     with gr.Tab("Admin", id="admin"):
@@ -180,7 +182,10 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
             action_result = gr.Markdown(elem_id="admin-action-result")
             audit = gr.Dataframe(headers=AUDIT_HEADERS, label="Audit log", interactive=False,
                                  elem_id="admin-audit")  # fmt: skip
-            replicas_after = build_replicas_panel(admin, session, [refresh_btn.click, window.change])
+            refreshes = [refresh_btn.click, window.change]
+            replicas_after = build_replicas_panel(admin, session, refreshes)
+            if clients is not None:
+                clients_after = build_clients_panel(clients, session, window, refreshes)
             build_trust_panel(admin, session)
             build_models_panel(admin, session)
 
@@ -192,6 +197,8 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
         sign_in_event.then(_refresh_if_signed_in(cb["refresh"]), inputs=[session, window],
                            outputs=refresh_outputs, api_visibility="private")  # fmt: skip
         replicas_after(sign_in_event)
+        if clients is not None:
+            clients_after(sign_in_event)
         sign_out_btn.click(cb["sign_out"], outputs=[session, login_box, console], api_visibility="private")
         gr.on([refresh_btn.click, window.change], cb["refresh"], inputs=[session, window],
               outputs=refresh_outputs, api_name="admin_refresh", **private)  # fmt: skip

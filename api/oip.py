@@ -12,7 +12,8 @@ device, age_s) are also given flat.
 
 Statuses: 400 malformed request or bad input (`{"error": "<the engine's message>"}`),
 404 unknown model or version, 413 body over the limit, 415 unknown Content-Encoding,
-503 the model failed. Readiness before the models load is the app's gate, not this router's.
+429 a miss past the client's miss budget (with `Retry-After`; engine.fairness: hits are
+never refused), 503 the model failed. Readiness before the models load is the app's gate, not this router's.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from api.tensors import (
     encode_infer_response,
     parse_infer_request,
 )
-from engine.errors import InvalidInputError, ModelError
+from engine.errors import InvalidInputError, ModelError, OverBudgetError
+from engine.fairness import client_id
 from engine.models.base import Classifier
 from engine.service import ClassifyResult, InferenceEngine
 
@@ -57,6 +59,10 @@ MAX_BATCH = 64  # elements per request
 BATCH_CONCURRENCY = 8
 # Bodies up to this size are parsed on the event loop (microseconds); larger ones in a thread.
 INLINE_PARSE_BYTES = 64 * 1024
+# A 429 is held this long (or until Retry-After, if sooner) before it is sent: on the event
+# loop it costs nothing, and a client that ignores Retry-After from a few connections is
+# slowed to a few requests a second instead of taking the loop from everyone's hits.
+REFUSAL_HOLD_S = 0.5
 IMAGE_AS_BYTES = (
     'Send the image file\'s bytes: base64 in JSON with "parameters": {"content_type": "base64"}, '
     "or as binary data."
@@ -229,13 +235,20 @@ async def _serve_infer(
     for name, value in scope["headers"]:
         if name in _WANTED_HEADERS and name not in headers:  # the first, as Starlette's Headers
             headers[name.decode("latin-1")] = value.decode("latin-1")
+    client = client_id((scope.get("client") or ("",))[0])  # after uvicorn's proxy-headers step
     try:
         content, header_length = await _infer(engine, params["model"], params.get("version"), headers,
-                                              receive, max_body_bytes, max_batch)  # fmt: skip
-    except (RequestRefused, InvalidInputError, ModelError) as exc:
+                                              receive, max_body_bytes, max_batch, client)  # fmt: skip
+    except (RequestRefused, InvalidInputError, ModelError, OverBudgetError) as exc:
         status, message = _status(exc)
-        log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], status, message)
-        await _send(send, status, _error_body(message), b"application/json")
+        extra = []
+        if isinstance(exc, OverBudgetError):
+            extra.append((b"retry-after", str(exc.wait_s).encode()))
+            await anyio.sleep(min(REFUSAL_HOLD_S, exc.retry_after_s))
+        # A refused miss is logged by the engine's request log and metrics, not once per request here.
+        if status != 429:
+            log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], status, message)
+        await _send(send, status, _error_body(message), b"application/json", *extra)
         return
     if header_length is None:
         await _send(send, 200, content, b"application/json")
@@ -315,6 +328,7 @@ async def _infer(
     receive: Receive,
     max_body_bytes: int,
     max_batch: int,
+    client: str | None = None,
 ) -> tuple[bytes, int | None]:
     """(body, JSON header length or None for plain JSON), or an exception to refuse with."""
     model = _model(engine, task, version)  # before the body: an unknown model costs no read
@@ -326,7 +340,8 @@ async def _infer(
     parsed = parse() if len(body) <= INLINE_PARSE_BYTES else await anyio.to_thread.run_sync(parse)
     text = _takes_text(model)
     raws = [_engine_input(element, text=text) for element in parsed.elements]
-    results = await _classify_all(engine, task, raws, from_memory=len(body) <= INLINE_PARSE_BYTES)
+    results = await _classify_all(engine, task, raws, from_memory=len(body) <= INLINE_PARSE_BYTES,
+                                  client=client)  # fmt: skip
     if version is not None and any(r.model_version != version for r in results):
         raise RequestRefused(404, f"Model {task!r} was replaced during the request; version {version!r} "
                                   "is no longer served.")  # fmt: skip
@@ -348,7 +363,12 @@ def _engine_input(element: bytes | str, *, text: bool) -> bytes | str:
 
 
 async def _classify_all(
-    engine: InferenceEngine, task: str, raws: list[bytes | str], *, from_memory: bool
+    engine: InferenceEngine,
+    task: str,
+    raws: list[bytes | str],
+    *,
+    from_memory: bool,
+    client: str | None = None,
 ) -> list[ClassifyResult]:
     """Every element through the cache. With `from_memory` (small inputs: hashing them costs
     microseconds) answers held in this replica's memory are taken on the event loop; the
@@ -357,31 +377,35 @@ async def _classify_all(
     results: list[ClassifyResult | None] = [None] * len(raws)
     if from_memory:
         for index, raw in enumerate(raws):
-            results[index] = engine.classify_from_memory(task, raw, route=ROUTE)
+            results[index] = engine.classify_from_memory(task, raw, route=ROUTE, client=client)
     missing = [index for index, result in enumerate(results) if result is None]
     if not missing:
         return [r for r in results if r is not None]
-    classify = partial(engine.classify, task, route=ROUTE)
+    classify = partial(engine.classify, task, route=ROUTE, client=client)
     if len(raws) == 1:
         return [await anyio.to_thread.run_sync(classify, raws[0])]
-    errors: list[InvalidInputError | ModelError | None] = [None] * len(raws)
+    errors: list[InvalidInputError | ModelError | OverBudgetError | None] = [None] * len(raws)
     slots = anyio.Semaphore(BATCH_CONCURRENCY)
 
     async def one(index: int) -> None:
         async with slots:
             try:
                 results[index] = await anyio.to_thread.run_sync(classify, raws[index])
-            except (InvalidInputError, ModelError) as exc:
+            except (InvalidInputError, ModelError, OverBudgetError) as exc:
                 errors[index] = exc
 
     async with anyio.create_task_group() as group:
         for index in missing:
             group.start_soon(one, index)
-    # OIP has no per-element errors: the batch fails as a whole. Bad input outranks a
-    # model failure (retrying the same batch would not help); then the lowest index.
-    failed = sorted((isinstance(e, ModelError), i, e) for i, e in enumerate(errors) if e is not None)
+    # OIP has no per-element errors: the batch fails as a whole. Bad input outranks a spent
+    # budget, which outranks a model failure (retrying the same batch would not help for the
+    # first, would after Retry-After for the second); then the lowest index.
+    rank = {InvalidInputError: 0, OverBudgetError: 1, ModelError: 2}
+    failed = sorted((rank.get(type(e), 2), i, e) for i, e in enumerate(errors) if e is not None)
     if failed:
         _, index, error = failed[0]
+        if isinstance(error, OverBudgetError):
+            raise error  # its Retry-After goes with it
         status, message = _status(error)
         raise RequestRefused(status, f"Element {index}: {message}")
     return [r for r in results if r is not None]
@@ -423,10 +447,12 @@ def _answer(request: Request, build: Callable[[], dict[str, Any]]) -> Response:
         return _refusal(request, exc)
 
 
-def _status(exc: RequestRefused | InvalidInputError | ModelError) -> tuple[int, str]:
+def _status(exc: RequestRefused | InvalidInputError | ModelError | OverBudgetError) -> tuple[int, str]:
     """The one place an error becomes an HTTP status and a message for the caller."""
     if isinstance(exc, RequestRefused):
         return exc.status, exc.message
+    if isinstance(exc, OverBudgetError):
+        return 429, exc.message
     if isinstance(exc, InvalidInputError):
         return (404 if exc.code == "unknown_task" else 400), exc.message  # 404: a task removed since
     return 503, str(exc)

@@ -11,75 +11,48 @@ falls on both sides alike. Prints both p99s and their ratio (the target: at most
 
 from __future__ import annotations
 
-import argparse
-import logging
-import tempfile
-from collections.abc import Sequence
-from pathlib import Path
-
 import numpy as np
 
-from bench.live_load import l2_only_engine, live_latencies
+from bench.live_load import FixedTextModel, l2_bench, live_latencies, phase_parser
 from engine.cleanup import CleanupJob
-from engine.inputs import CanonicalText, clean_text
-from engine.models.base import Prediction
-from storage.embedded_redis import EmbeddedRedis
 
 PREFIX = "bench-cleanup"
 
 
-class _Fixed:
-    task, name, device, kind, version = "text", "fixed", "cpu", "text-classification", "v-new"
-    cheap_canonicalize = True
-
-    def canonicalize(self, raw: object) -> CanonicalText:
-        return clean_text(raw, max_chars=200)
-
-    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
-        return [Prediction((("a", 0.75), ("b", 0.25))) for _ in inputs]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = phase_parser(
+        __doc__.splitlines()[0], seconds=5.0, rounds=4, rounds_help="baseline/clean-up phase pairs"
+    )
     parser.add_argument("--old", type=int, default=200_000, help="old entries to delete")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of each phase")
-    parser.add_argument("--rounds", type=int, default=4, help="baseline/clean-up phase pairs")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(data_dir=Path(tmp), maxmemory_mb=1024) as server:
-        url = server.start()
-        store, engine = l2_only_engine(url, _Fixed(), prefix=PREFIX)
-        try:
-            client = store.client
-            with client.pipeline(transaction=False) as pipe:
-                for n in range(args.old):
-                    pipe.set(f"{PREFIX}:text:v-old:0:{n:032x}", b"old entry value " * 8, ex=3600)
-                    if n % 10_000 == 9_999:
-                        pipe.execute()
-                pipe.execute()
-            texts = [f"cached message {n}" for n in range(500)]
-            for text in texts:
-                engine.classify("text", text)
-            live_latencies(engine, texts, 1.0)  # warm
-            baseline: list[float] = []
-            during: list[float] = []
-            deleted = 0
-            for _ in range(args.rounds):
-                baseline += live_latencies(engine, texts, args.seconds)
-                job = CleanupJob(
-                    store, prefix=PREFIX, current=lambda: ({"text": "v-new"}, 0), dry_run=False
-                ).start()
-                during += live_latencies(engine, texts, args.seconds)
-                job.cancel()
-                deleted += job.snapshot()["deleted"]
-            p99_base, p99_during = float(np.percentile(baseline, 99)), float(np.percentile(during, 99))
-            print(f"L2-hit p99 without clean-up: {p99_base:.3f} ms ({len(baseline)} requests)")
-            print(f"L2-hit p99 during clean-up:  {p99_during:.3f} ms ({len(during)} requests; "
-                  f"{deleted:,} old entries deleted meanwhile)")  # fmt: skip
-            print(f"ratio: {p99_during / p99_base:.3f} (target <= 1.10)")
-        finally:
-            engine.close()
-            store.close()
+    with l2_bench(FixedTextModel("v-new"), prefix=PREFIX, maxmemory_mb=1024) as (store, engine):
+        client = store.client
+        with client.pipeline(transaction=False) as pipe:
+            for n in range(args.old):
+                pipe.set(f"{PREFIX}:text:v-old:0:{n:032x}", b"old entry value " * 8, ex=3600)
+                if n % 10_000 == 9_999:
+                    pipe.execute()
+            pipe.execute()
+        texts = [f"cached message {n}" for n in range(500)]
+        for text in texts:
+            engine.classify("text", text)
+        live_latencies(engine, texts, 1.0)  # warm
+        baseline: list[float] = []
+        during: list[float] = []
+        deleted = 0
+        for _ in range(args.rounds):
+            baseline += live_latencies(engine, texts, args.seconds)
+            job = CleanupJob(
+                store, prefix=PREFIX, current=lambda: ({"text": "v-new"}, 0), dry_run=False
+            ).start()
+            during += live_latencies(engine, texts, args.seconds)
+            job.cancel()
+            deleted += job.snapshot()["deleted"]
+        p99_base, p99_during = float(np.percentile(baseline, 99)), float(np.percentile(during, 99))
+        print(f"L2-hit p99 without clean-up: {p99_base:.3f} ms ({len(baseline)} requests)")
+        print(f"L2-hit p99 during clean-up:  {p99_during:.3f} ms ({len(during)} requests; "
+              f"{deleted:,} old entries deleted meanwhile)")  # fmt: skip
+        print(f"ratio: {p99_during / p99_base:.3f} (target <= 1.10)")
 
 
 if __name__ == "__main__":

@@ -102,9 +102,11 @@ class GradioHttpClient:
         timeout_s: float = 60.0,
         session_hash: str | None = None,
         local_address: str | None = None,
+        headers: dict[str, str] | None = None,  # on every request (X-Forwarded-For: a client behind a proxy)
     ) -> None:
         transport = httpx.HTTPTransport(local_address=local_address) if local_address else None
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport,
+                                 headers=headers)  # fmt: skip
         self.session_hash = session_hash
 
     def upload(self, name: str, data: bytes, mime: str = "application/octet-stream") -> httpx.Response:

@@ -107,7 +107,7 @@ def serve(variant: str, port: int) -> None:
 
     data_dir = Path(tempfile.mkdtemp(prefix=f"http-limits-{variant}-"))
     settings = replace(Settings.from_env({}), port=port, host="127.0.0.1", redis_url="off", data_dir=data_dir,
-                       shadow_sample_rate=0.0)  # fmt: skip
+                       shadow_sample_rate=0.0, client_miss_rate=0.0)  # fmt: skip
     models = load_all(tuple(s for s in DEFAULT_SPECS if s.task == "text"), load_options(settings))
     runtime = build_runtime(settings, models=models)
     limits = HeaderLimits.from_settings(settings)

@@ -4,16 +4,72 @@ from a few threads, each request's latency recorded."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import logging
+import tempfile
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from engine.generation import LocalGeneration
-from engine.models.base import Classifier
+from engine.inputs import CanonicalText, clean_text
+from engine.models.base import Classifier, Prediction
 from engine.service import CachePolicy, InferenceEngine
 from storage.breaker import CircuitBreaker
+from storage.embedded_redis import EmbeddedRedis
 from storage.memory import MemoryStore
 from storage.redis_clients import make_nodes
 from storage.redis_store import RedisStore
+
+
+class FixedTextModel:
+    """A text model whose answer is always the same, after `forward_s` of sleep: the benches
+    measure the cache's round trips, not a network."""
+
+    task, name, device, kind = "text", "fixed", "cpu", "text-classification"
+    cheap_canonicalize = True
+
+    def __init__(self, version: str, forward_s: float = 0.0) -> None:
+        self.version = version
+        self._forward_s = forward_s
+
+    def canonicalize(self, raw: object) -> CanonicalText:
+        return clean_text(raw, max_chars=200)
+
+    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
+        if self._forward_s:
+            time.sleep(self._forward_s)
+        return [Prediction((("a", 0.75), ("b", 0.25))) for _ in inputs]
+
+
+def phase_parser(
+    description: str, *, seconds: float, rounds: int, rounds_help: str
+) -> argparse.ArgumentParser:
+    """The benches' command line: `--seconds` per phase, `--rounds` of phases in turn."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seconds", type=float, default=seconds, help="length of each phase")
+    parser.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    return parser
+
+
+@contextlib.contextmanager
+def l2_bench(
+    model: Classifier, *, prefix: str, maxmemory_mb: int
+) -> Iterator[tuple[RedisStore, InferenceEngine]]:
+    """A private redis-server and an `l2_only_engine` on it, for the block."""
+    logging.basicConfig(level=logging.WARNING)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        EmbeddedRedis(data_dir=Path(tmp), maxmemory_mb=maxmemory_mb) as server,
+    ):
+        store, engine = l2_only_engine(server.start(), model, prefix=prefix)
+        try:
+            yield store, engine
+        finally:
+            engine.close()
+            store.close()
 
 
 def l2_only_engine(url: str, model: Classifier, *, prefix: str) -> tuple[RedisStore, InferenceEngine]:

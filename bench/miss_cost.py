@@ -66,7 +66,7 @@ def load(backend: str, export_dir: Path) -> dict[str, Classifier]:
 @contextlib.contextmanager
 def runtimes(work: Path, models: Mapping[str, Mapping[str, Classifier]]) -> Iterator[dict[str, Runtime]]:
     base = replace(Settings.from_env({}), admin_token=secrets.token_urlsafe(24), redis_url="off",
-                   shadow_sample_rate=0.0)  # fmt: skip
+                   shadow_sample_rate=0.0, client_miss_rate=0.0)  # fmt: skip
     with contextlib.ExitStack() as stack:
         built = {}
         for name, loaded in models.items():

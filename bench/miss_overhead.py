@@ -103,7 +103,7 @@ def redis_counts(client: redis.Redis) -> tuple[int, float]:
 def engines(
     work: Path, redis_url: str, models: Mapping[str, Classifier]
 ) -> Iterator[tuple[Runtime, Runtime]]:
-    base = replace(Settings.from_env({}), admin_token=secrets.token_urlsafe(24))
+    base = replace(Settings.from_env({}), client_miss_rate=0.0, admin_token=secrets.token_urlsafe(24))
     with contextlib.ExitStack() as stack:
         l1 = build_runtime(replace(base, data_dir=work / "l1", redis_url="off"), models=dict(models))
         stack.callback(l1.close)

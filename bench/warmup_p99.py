@@ -13,50 +13,24 @@ most 1.10), and how the warm-ups went.
 
 from __future__ import annotations
 
-import argparse
-import logging
-import tempfile
 import time
-from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
-from bench.live_load import l2_only_engine, live_latencies
-from engine.inputs import CanonicalText, clean_text
-from engine.models.base import Prediction
+from bench.live_load import FixedTextModel, l2_bench, live_latencies, phase_parser
 from engine.warmup import WarmSet
-from storage.embedded_redis import EmbeddedRedis
 
 PREFIX = "bench-warmup"
 
 
-class _Model:
-    task, name, device, kind = "text", "fixed", "cpu", "text-classification"
-    cheap_canonicalize = True
-
-    def __init__(self, version: str, forward_s: float = 0.002) -> None:
-        self.version = version
-        self._forward_s = forward_s
-
-    def canonicalize(self, raw: object) -> CanonicalText:
-        return clean_text(raw, max_chars=200)
-
-    def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
-        time.sleep(self._forward_s)
-        return [Prediction((("a", 0.75), ("b", 0.25))) for _ in inputs]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = phase_parser(
+        __doc__.splitlines()[0], seconds=3.0, rounds=4, rounds_help="swap, baseline, warm-up rounds"
+    )
     parser.add_argument("--kept", type=int, default=200, help="hot inputs kept and warmed")
-    parser.add_argument("--seconds", type=float, default=3.0, help="length of each phase")
-    parser.add_argument("--rounds", type=int, default=4, help="swap, baseline, warm-up rounds")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(data_dir=Path(tmp), maxmemory_mb=256) as server:
-        url = server.start()
-        store, engine = l2_only_engine(url, _Model("v1"), prefix=PREFIX)
+    model = FixedTextModel("v1", forward_s=0.002)
+    with l2_bench(model, prefix=PREFIX, maxmemory_mb=256) as (store, engine):
         warm = WarmSet(store, prefix=PREFIX, size=args.kept, ttl_s=3600, engine=engine, flush_s=3600).start()
         engine.attach_warm_set(warm)
         try:
@@ -73,7 +47,7 @@ def main() -> None:
             finished: list[str] = []
             for round_ in range(args.rounds):
                 # A new version: the kept inputs' entries are missing now; the live ones are cached.
-                engine.replace_model("text", _Model(f"v{round_ + 2}"))
+                engine.replace_model("text", FixedTextModel(f"v{round_ + 2}", forward_s=0.002))
                 for text in texts:
                     engine.classify("text", text)
                 live_latencies(engine, texts, 0.5, pause_s=0.002)  # warm the process
@@ -99,8 +73,6 @@ def main() -> None:
                 print(f"warm-up {n} finished: {line}")
         finally:
             warm.close()
-            engine.close()
-            store.close()
 
 
 if __name__ == "__main__":

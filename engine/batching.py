@@ -11,6 +11,9 @@ of 2 costs 21 % less per message and 4 costs 36 % less; the image model's cost i
 in its convolutions, so batching gains nothing there and its concurrent passes
 use both cores better.
 
+Waiting misses are taken round-robin across clients (engine.fairness.FairQueue): a
+client's many waiting misses do not fill the next batch ahead of another client's one.
+
 A batch that fails is retried item by item, so one bad input fails only itself.
 Scores computed in a batch may differ from one-at-a-time scores in the last bits
 (below 1e-6 measured); labels and their order do not change.
@@ -20,10 +23,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from engine.fairness import FairQueue, QueueWaits
 from engine.models.base import Classifier, Prediction
 
 
@@ -34,10 +37,12 @@ class BatchedPrediction(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("answer", "done", "error", "item")
+    __slots__ = ("answer", "arrived", "depth", "done", "error", "item")
 
     def __init__(self, item: Any) -> None:
         self.item = item
+        self.arrived = time.perf_counter()
+        self.depth = 0  # misses waiting or running when it arrived
         self.done = False
         self.answer: BatchedPrediction | None = None
         self.error: BaseException | None = None
@@ -47,7 +52,12 @@ class MicroBatcher:
     """One model's queue of misses. Thread-safe; owned by the engine."""
 
     def __init__(
-        self, model: Classifier, *, max_batch: int, on_pass: Callable[[int], None] | None = None
+        self,
+        model: Classifier,
+        *,
+        max_batch: int,
+        on_pass: Callable[[int], None] | None = None,
+        waits: QueueWaits | None = None,
     ) -> None:
         if max_batch < 2:
             raise ValueError("max_batch must be >= 2 (1 means: do not batch)")
@@ -55,25 +65,31 @@ class MicroBatcher:
         self._on_pass = on_pass  # told each forward pass's size (for the batch-size histogram)
         self._max_batch = max_batch
         self._cond = threading.Condition()
-        self._waiting: deque[_Waiter] = deque()
+        self._waiting: FairQueue[_Waiter] = FairQueue()
+        self._waits = waits  # how long misses waited for their pass (/metrics)
         self._running = False
 
     @property
     def model(self) -> Classifier:
         return self._model
 
-    def predict(self, item: Any) -> BatchedPrediction:
+    def predict(self, item: Any, client: str | None = None) -> BatchedPrediction:
         """The model's prediction for one canonical input (raises what the model raised)."""
         waiter = _Waiter(item)
         with self._cond:
-            self._waiting.append(waiter)
+            waiter.depth = len(self._waiting) + self._running
+            self._waiting.push(client or "", waiter)
             # A waiter taken into another's batch has left the queue: it only waits.
-            while not waiter.done and (self._running or self._waiting[0] is not waiter):
+            while not waiter.done and (self._running or self._waiting.peek() is not waiter):
                 self._cond.wait()
             if not waiter.done:
                 self._running = True
                 count = min(self._max_batch, len(self._waiting))
-                batch = [self._waiting.popleft() for _ in range(count)]
+                batch = [self._waiting.pop() for _ in range(count)]
+        if not waiter.done and self._waits is not None:
+            now = time.perf_counter()
+            for taken in batch:
+                self._waits.record(self._model.task, taken.depth, now - taken.arrived)
         if not waiter.done:
             try:
                 self._run(batch)

@@ -3,6 +3,7 @@
 InferenceCacheError
  ├── InvalidInputError      the caller's input is unusable; safe to show, safe to cache
  ├── ModelError             the model failed on a valid input; never cached
+ ├── OverBudgetError        a client's miss budget is spent (engine.fairness); hits still work
  │    └── ModelLoadError    weights missing or not matching the architecture
  └── CacheUnavailableError  a cache tier cannot be reached (handled inside the engine)
       └── CacheSkippedError  one cluster primary skipped by its breaker; the others may answer
@@ -21,6 +22,7 @@ __all__ = [
     "InvalidInputError",
     "ModelError",
     "ModelLoadError",
+    "OverBudgetError",
 ]
 
 
@@ -51,3 +53,19 @@ class ModelError(InferenceCacheError):
 
 class ModelLoadError(ModelError):
     """Weights could not be loaded onto the architecture."""
+
+
+class OverBudgetError(InferenceCacheError):
+    """A client started more misses than its budget allows (engine.fairness). `message` is
+    written for the end user; `retry_after_s` is when its next miss will be accepted."""
+
+    def __init__(self, client: str, retry_after_s: float) -> None:
+        self.client = client
+        self.retry_after_s = retry_after_s
+        self.wait_s = max(1, int(-(-retry_after_s // 1)))  # whole seconds, rounded up
+        self.first = False  # the client's first refusal in a while (one log line, not one per miss)
+        self.message = (
+            "Too many new inputs from your address in a short time; answers already cached still "
+            f"work; try again in {self.wait_s} s."
+        )
+        super().__init__(self.message)

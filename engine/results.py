@@ -60,7 +60,7 @@ class RequestRecord(NamedTuple):
     task: str
     tier: str | None  # None when the request failed before any tier answered
     latency_ms: float
-    status: str  # "ok" | "invalid" | "error"
+    status: str  # "ok" | "invalid" | "error" | "refused" (a miss past the client's budget)
     error_code: str | None
     key_digest: str | None
     model_version: str
@@ -68,6 +68,7 @@ class RequestRecord(NamedTuple):
     top_label: str | None
     model_ms: float | None = None
     route: str = "gradio"  # which front door the request came through: gradio | rest
+    client: str | None = None  # engine.fairness.ClientLabels' label, never the address; None: the app
 
 
 @dataclass
@@ -79,6 +80,7 @@ class EngineCounters:
     negative_hits: int = 0
     invalid: int = 0
     errors: int = 0
+    refused: int = 0  # misses refused: the client's miss budget was spent (engine.fairness)
     corrupt_values: int = 0
     forged_values: int = 0  # L2 values whose signature is missing or wrong (signing on)
     l2_errors: int = 0

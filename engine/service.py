@@ -16,7 +16,6 @@ from dataclasses import asdict
 from functools import partial
 from typing import Any
 
-from engine.batching import MicroBatcher
 from engine.codec import (
     CachedAlias,
     CachedRejection,
@@ -27,11 +26,20 @@ from engine.codec import (
     ValueCodec,
 )
 from engine.entries import EntryReport, EvictResult, entry_key, inspect_entry
-from engine.errors import CacheSkippedError, CacheUnavailableError, InvalidInputError, ModelError
+from engine.errors import (
+    CacheSkippedError,
+    CacheUnavailableError,
+    InvalidInputError,
+    ModelError,
+    OverBudgetError,
+)
+from engine.fairness import MissBudget
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.keys import CacheKey, digest_parts, raw_digest
 from engine.models.base import Classifier, model_state
+from engine.passes import ModelPasses
+from engine.request_events import RequestEvents
 from engine.results import (  # re-exported: the engine's public types
     CachePolicy,
     ClassifyResult,
@@ -39,7 +47,7 @@ from engine.results import (  # re-exported: the engine's public types
     FlushResult,
     ProbeMiss,
     RequestListener,
-    RequestRecord,
+    RequestRecord,  # noqa: F401
 )
 from engine.shadow import ShadowVerifier
 from engine.singleflight import SingleFlight
@@ -84,6 +92,7 @@ class InferenceEngine:
         codec: ValueCodec | None = None,
         shadow_sample_rate: float = 0.0,
         fleet_flight: FleetFlight | None = None,
+        miss_budget: MissBudget | None = None,
     ) -> None:
         self._models = dict(models)
         # Across replicas, a miss takes a Redis lease first (engine.fleet_flight).
@@ -91,16 +100,12 @@ class InferenceEngine:
         self._fleet: Any = None  # engine.fleet.FleetMember, attached by the composition root
         self._warm_set: Any = None  # engine.warmup.WarmSet (WARM_SET_SIZE > 0): counts hits per key
         self._codec = codec or ValueCodec()  # unsigned (checksum) unless given signing keys
-        # Only models that gain from it batch (see engine.batching): one pass at a time, the
-        # misses that wait meanwhile share the next. The others run up to their limit at once.
-        self._batch_max_size = batch_max_size
-        self._batchers: dict[str, MicroBatcher] = {}
-        for task, model in self._models.items():
-            self._set_batcher(task, model)
-        limits = dict(miss_concurrency or {})
-        self._miss_limits = {task: max(1, limits.get(task, 1)) for task in self._models}
-        # Every task has its slots: a model swapped in live may not batch where the old one did.
-        self._pass_slots = {t: threading.BoundedSemaphore(self._miss_limits[t]) for t in self._models}
+        # A miss's way to the model: batched or in a pass slot, waiting misses round-robin
+        # across clients, each client's misses within its budget (engine.passes, engine.fairness).
+        self._passes = ModelPasses(
+            self._models, batch_max_size=batch_max_size, miss_concurrency=miss_concurrency,
+            on_pass=self._count_pass, miss_budget=miss_budget,
+        )  # fmt: skip
         self._swap_lock = threading.Lock()
         self._l1 = l1
         self._l2 = l2
@@ -115,7 +120,7 @@ class InferenceEngine:
             batch_sizes={task: {} for task in self._models},
         )
         self._counter_lock = threading.Lock()
-        self._listeners: list[RequestListener] = []
+        self._events = RequestEvents(clock)  # request records for the log, metrics, console
         self._writes = WriteBatch(max_delay_s=L2_WRITE_DELAY_S)
         # Sends waiting writes that no request carried within L2_WRITE_DELAY_S; close() stops it.
         self._write_timer = OverdueWriteTimer(
@@ -152,35 +157,27 @@ class InferenceEngine:
             old = self._models.get(task)
             if old is None:
                 raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
-            self._set_batcher(task, model)  # before the model: the batcher checks which it serves
+            self._passes.set_model(task, model)  # before the model: the batcher checks which it serves
             self._models[task] = model
         log.info("%s: model %s replaced by %s", task, old.version, model.version)
         return old
 
-    def _set_batcher(self, task: str, model: Classifier) -> None:
-        max_batch = getattr(model, "max_batch", None) or self._batch_max_size  # MODELS_CONFIG's max_batch
-        if max_batch > 1 and getattr(model, "batch_misses", False):
-            on_pass = partial(self._count_pass, task)
-            self._batchers[task] = MicroBatcher(model, max_batch=max_batch, on_pass=on_pass)
-        else:
-            self._batchers.pop(task, None)
-
     def admission_limit(self, task: str) -> int:
         """How many requests of a task may be inside the engine at once so that its
         misses use the model fully: its concurrent passes, or a full batch to share one."""
-        if task in self._batchers:
-            return max(self._miss_limits[task], self._batch_max_size)
-        return self._miss_limits[task]
+        return self._passes.admission_limit(task)
 
     def add_listener(self, listener: RequestListener) -> None:
-        self._listeners.append(listener)
+        self._events.add_listener(listener)
 
     def classify(
-        self, task: str, raw: Any, *, probe: bool = False, route: str = "gradio"
+        self, task: str, raw: Any, *, probe: bool = False, route: str = "gradio", client: str | None = None
     ) -> ClassifyResult:
         """Answer one request. Raises InvalidInputError (user's fault), ModelError,
-        or ProbeMiss (probe mode only, when the answer is not cached). `route` names
-        the front door (gradio, rest) in the request log and metrics."""
+        OverBudgetError (a miss past `client`'s budget; engine.fairness), or ProbeMiss (probe
+        mode only, when the answer is not cached). `route` names the front door (gradio, rest)
+        in the request log and metrics; `client` (engine.fairness.client_id) who asked, None
+        for the app's own requests (no budget)."""
         started = time.perf_counter()
         model = self._models.get(task)
         if model is None:
@@ -189,20 +186,27 @@ class InferenceEngine:
         budget = _L2Budget(self._l2 is not None)
         self._writes.enter()
         try:
-            result = self._classify(task, model, raw, generation, probe, started, budget)
+            result = self._classify(task, model, raw, generation, probe, started, budget, client=client)
         except ProbeMiss:
+            raise
+        except OverBudgetError as exc:
+            self._count("refused")
+            if exc.first and client is not None:
+                log.warning("client %s is over its miss budget: misses refused for %d s, hits still served",
+                            self._events.label(client), exc.wait_s)  # fmt: skip
+            self._failed(task, model, generation, started, "refused", "over_budget", route, client)
             raise
         except InvalidInputError as exc:
             # A probe's failure is not an answer: the queued retry logs and counts it.
             if not probe:
-                self._emit(task, model, generation, started, status="invalid", error=exc.code, route=route)
+                self._count("invalid")
+                self._failed(task, model, generation, started, "invalid", exc.code, route, client)
             raise
         except Exception as exc:
             if probe:
                 raise
             self._count("errors")
-            self._emit(task, model, generation, started, status="error", error=type(exc).__name__,
-                       route=route)  # fmt: skip
+            self._failed(task, model, generation, started, "error", type(exc).__name__, route, client)
             if isinstance(exc, ModelError):
                 raise
             log.exception("unexpected failure classifying %s input", task)
@@ -211,7 +215,7 @@ class InferenceEngine:
             due = self._writes.leave()
             if due:
                 self._send_writes(due, budget)
-        self._emit_result(task, result, route)
+        self._events.answered(task, result, route, client)
         if self._warm_set is not None:
             self._warm_set.note(task, result.key, raw)
         return result
@@ -242,7 +246,9 @@ class InferenceEngine:
         """engine.warmup.WarmSet: every answered request is noted (its key and raw input)."""
         self._warm_set = warm_set
 
-    def classify_from_memory(self, task: str, raw: Any, *, route: str) -> ClassifyResult | None:
+    def classify_from_memory(
+        self, task: str, raw: Any, *, route: str, client: str | None = None
+    ) -> ClassifyResult | None:
         """The answer when this replica's memory (L1) holds it, else None; never blocks (no
         Redis, no model, no decode), so an event loop may call it for a small input. A hit
         is logged and counted as `classify` would; anything else is left to `classify`."""
@@ -257,7 +263,7 @@ class InferenceEngine:
             result = self._classify(task, model, raw, generation, True, started, _L2Budget(False))
         except (ProbeMiss, InvalidInputError):
             return None
-        self._emit_result(task, result, route)
+        self._events.answered(task, result, route, client)
         if self._warm_set is not None:
             self._warm_set.note(task, result.key, raw)
         return result
@@ -363,9 +369,7 @@ class InferenceEngine:
                 "passes": passes,
                 "mean_size": round(inputs / passes, 3) if passes else None,
                 "max_size": max(by_size, default=None),
-                "batched": task in self._batchers,
-                "concurrent_passes": 1 if task in self._batchers else self._miss_limits[task],
-                "admitted": self.admission_limit(task),
+                **self._passes.limits(task),
             }
         return summary
 
@@ -406,6 +410,11 @@ class InferenceEngine:
     def l2_store(self) -> RedisStore | None:
         return self._l2
 
+    def fairness_state(self) -> dict[str, Any]:
+        """The miss budget (None when off), clients limited now, and waits for a forward pass
+        by (task, misses already waiting on arrival) as (count, seconds) (engine.fairness)."""
+        return self._passes.fairness_state()
+
     # ---- the pipeline -----------------------------------------------------
 
     def _classify(
@@ -419,6 +428,7 @@ class InferenceEngine:
         budget: _L2Budget,
         *,
         quiet: bool = False,  # a warm-up's request: no hit/miss counted, no shadow sample
+        client: str | None = None,
     ) -> ClassifyResult:
         raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", model.version, generation,
                                raw_digest(raw)))  # fmt: skip
@@ -468,9 +478,15 @@ class InferenceEngine:
                 # Reached through the raw alias, the input is decoded only if L2 misses too.
                 return known if known is not None else self._canonicalize(model, raw, raw_key, alias_budget)
 
-            (cached, tier, model_ms), shared = self._flights.run(
-                key, lambda: self._compute(key, model, canonical_input, budget, pending_alias)
-            )
+            compute = partial(self._compute, key, model, canonical_input, budget, pending_alias, client)
+            while True:
+                try:
+                    (cached, tier, model_ms), shared = self._flights.run(key, compute)
+                    break
+                except OverBudgetError as exc:
+                    if exc.client == client:
+                        raise
+                    # Another client's refusal, met by joining its flight: take a turn of our own.
             if shared:
                 tier, model_ms = "coalesced", None
         else:
@@ -514,12 +530,14 @@ class InferenceEngine:
         canonical_input: Callable[[], Any],
         budget: _L2Budget,
         pending_alias: L2Write | None,
+        client: str | None = None,
     ) -> tuple[CachedResult, str, float | None]:
         task = model.task
         # Inside the flight: another flight for this key may have just filled L1.
         cached, tier = self._lookup(key, (CachedResult,), budget)
         if cached is not None:
             return cached, tier, None  # type: ignore[return-value]
+        self._passes.spend(client)  # a real miss: one token of the client's budget, or OverBudgetError
         turn = None
         if self._fleet_flight is not None and budget.available and self._l2 is not None:
             turn = self._fleet_flight.take_turn(
@@ -529,21 +547,10 @@ class InferenceEngine:
             if turn.found is not None:  # computed by another replica meanwhile
                 return turn.found, "coalesced", None  # type: ignore[return-value]
         canonical = canonical_input()
-        batcher = self._batchers.get(task)
-        if batcher is not None and batcher.model is not model:
-            batcher = None  # swapped meanwhile (replace_model): this request finishes on its own model
         model_started = time.perf_counter()
-        forward_s: float | None = None  # a batch's pass, without the wait for it
-        share = 1.0  # of that pass, counted as this request's model time
+        elapsed, share = None, 1.0  # the pass (without the wait for it) and this input's share of it
         try:
-            if batcher is not None:
-                prediction, batch_size, forward_s = batcher.predict(canonical)
-                share = 1.0 / batch_size
-            else:
-                with self._pass_slots[task]:
-                    model_started = time.perf_counter()  # the pass, not the wait for a slot
-                    self._count_pass(task, 1)
-                    prediction = model.predict_batch([canonical])[0]
+            prediction, elapsed, share = self._passes.run(model, canonical, client)
         except InvalidInputError:
             raise
         except Exception as exc:
@@ -551,7 +558,8 @@ class InferenceEngine:
             log.exception("%s model failed", model.name)
             raise ModelError(f"The {model.task} model failed: {exc.__class__.__name__}.") from exc
         finally:
-            elapsed = forward_s if forward_s is not None else time.perf_counter() - model_started
+            if elapsed is None:  # failed: the pass and its wait, which cannot be told apart here
+                elapsed = time.perf_counter() - model_started
             with self._counter_lock:
                 self._counters.model_calls[task] += 1
                 self._counters.model_seconds[task] += elapsed * share
@@ -647,43 +655,9 @@ class InferenceEngine:
         with self._counter_lock:
             setattr(self._counters, name, getattr(self._counters, name) + n)
 
-    def _emit_result(self, task: str, result: ClassifyResult, route: str) -> None:
-        if not self._listeners:
-            return
-        record = RequestRecord(
-            at=self._clock(), task=task, tier=result.tier, latency_ms=result.latency_ms,
-            status="ok", error_code=None, key_digest=result.key.rsplit(":", 1)[-1][:16],
-            model_version=result.model_version, generation=result.generation,
-            top_label=result.prediction.top_label, model_ms=result.model_ms, route=route,
-        )  # fmt: skip
-        self._notify(record)
-
-    def _emit(
-        self,
-        task: str,
-        model: Classifier,
-        generation: int,
-        started: float,
-        *,
-        status: str,
-        error: str,
-        route: str,
-    ) -> None:
-        if status == "invalid":
-            self._count("invalid")
-        if not self._listeners:
-            return
-        record = RequestRecord(
-            at=self._clock(), task=task, tier=None,
-            latency_ms=(time.perf_counter() - started) * 1000.0, status=status, error_code=error,
-            key_digest=None, model_version=model.version, generation=generation, top_label=None,
-            route=route,
-        )  # fmt: skip
-        self._notify(record)
-
-    def _notify(self, record: RequestRecord) -> None:
-        for listener in self._listeners:
-            try:
-                listener(record)
-            except Exception:  # a logging problem must never fail a request
-                log.exception("request listener failed")
+    def _failed(
+        self, task: str, model: Classifier, generation: int, started: float, status: str, error: str,
+        route: str, client: str | None,
+    ) -> None:  # fmt: skip
+        self._events.failed(task, model.version, generation, started, status=status, error=error, route=route,
+                            client=client)  # fmt: skip

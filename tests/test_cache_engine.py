@@ -579,7 +579,7 @@ class TestMissesShareForwardPasses:
         texts = ["Where is my parcel?", "I want a refund", "Reset my password"]
         futures = [pool.submit(runtime.engine.classify, "text", text) for text in texts]
         for _ in range(500):  # until all three wait for the held pass
-            if len(runtime.engine._batchers["text"]._waiting) == 3:
+            if len(runtime.engine._passes._batchers["text"]._waiting) == 3:
                 break
             time.sleep(0.01)
         held.release()
@@ -596,7 +596,7 @@ class TestMissesShareForwardPasses:
     def test_batch_max_size_one_turns_it_off(self, make_runtime, pool) -> None:
         model = BatchingTextModel()
         runtime = make_runtime(models={"text": model}, redis_url="off", batch_max_size=1)
-        assert runtime.engine._batchers == {}
+        assert runtime.engine._passes._batchers == {}
         list(pool.map(lambda t: runtime.engine.classify("text", t), [f"message {k}" for k in range(12)]))
         assert all(len(batch) == 1 for batch in model.batches) and len(model.batches) == 12
 

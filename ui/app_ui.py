@@ -13,7 +13,8 @@ from typing import Any
 import gradio as gr
 from gradio.caching import CacheMissError
 
-from engine.errors import InvalidInputError, ModelError
+from engine.errors import InvalidInputError, ModelError, OverBudgetError
+from engine.fairness import client_id
 from engine.models.base import takes_image
 from engine.service import ClassifyResult, InferenceEngine, ProbeMiss
 from ui.components import UploadedImage
@@ -53,6 +54,8 @@ def user_errors(probe: bool) -> Iterator[None]:
         if probe:
             raise CacheMissError() from None
         raise gr.Error(str(exc), print_exception=False) from None
+    except OverBudgetError as exc:  # the client's miss budget (engine.fairness); a probe never meets it
+        raise gr.Error(exc.message, title="Please slow down", print_exception=False) from None
     except gr.Error:
         raise
     except Exception:
@@ -113,25 +116,35 @@ def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[st
     return callbacks
 
 
+def request_client(request: gr.Request | None) -> str:
+    """Who sent a Gradio event (engine.fairness.client_id): the address of the connection that
+    queued it, as uvicorn's proxy-headers step left it (the X-Forwarded-For client of a trusted
+    proxy, FORWARDED_ALLOW_IPS)."""
+    client = getattr(request, "client", None)
+    return client_id(getattr(client, "host", None))
+
+
 def _upload_callback(engine: InferenceEngine, task: str, max_upload_bytes: int) -> Callable[..., Any]:
-    def classify_image(image: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def classify_image(image: str | None, request: gr.Request) -> tuple[dict[str, Any], dict[str, Any]]:
         """Classify one image. Returns the label and cache_info."""
         probe = in_queue_probe()
         with user_errors(probe):
             if not image:
                 raise InvalidInputError("no_image", "Please upload an image first.")
             data = read_upload(Path(image), max_upload_bytes)
-            return _respond(engine.classify(task, data, probe=probe))
+            return _respond(engine.classify(task, data, probe=probe, client=request_client(request)))
 
     return classify_image
 
 
 def _message_callback(engine: InferenceEngine, task: str) -> Callable[..., Any]:
-    def classify_text(message: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def classify_text(message: str | None, request: gr.Request) -> tuple[dict[str, Any], dict[str, Any]]:
         """Classify one message. Returns the label and cache_info."""
         probe = in_queue_probe()
+        client = request_client(request)
         with user_errors(probe):
-            return _respond(engine.classify(task, message if message is not None else "", probe=probe))
+            return _respond(engine.classify(task, message if message is not None else "", probe=probe,
+                                            client=client))  # fmt: skip
 
     return classify_text
 
@@ -188,13 +201,21 @@ def live_stats_text(engine: InferenceEngine) -> str:
     )
 
 
+# Misses of one task let into the engine beyond its admission limit: they wait for a forward
+# pass there, served round-robin across clients (engine.fairness), where Gradio's own queue
+# would serve them first come, first served. Each holds one of Gradio's 40 worker threads.
+FAIR_WAITING = 12
+
+
 def _miss_lane(engine: InferenceEngine, task: str) -> dict[str, Any]:
     """Gradio queue settings for a task's event: as many at once as the engine admits
-    (concurrent passes, or a full batch), in a lane of its own so image misses never
-    hold text ones back. Hits never queue: the queue's cache probe answers them first."""
+    (concurrent passes, or a full batch) and FAIR_WAITING more, in a lane of its own so
+    image misses never hold text ones back. Hits never queue: the queue's cache probe
+    answers them first."""
     if task not in engine.models:
         return {}
-    return {"concurrency_limit": engine.admission_limit(task), "concurrency_id": f"classify_{task}"}
+    limit = engine.admission_limit(task) + FAIR_WAITING
+    return {"concurrency_limit": limit, "concurrency_id": f"classify_{task}"}
 
 
 def _tab_title(task: str) -> str:

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import get_route_path
 
+from engine.fairness import client_id
 from engine.service import InferenceEngine
 from ui.asgi import ASGIApp, Message, Receive, Scope, Send, read_body, replay
 from ui.call_protocol import (
@@ -153,7 +154,8 @@ class CachedCalls:
             request = json_body(scope, body)
             data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
             if data is not None:
-                outputs = await self._cached_outputs(self._apis[api_name], data)
+                client = client_id((scope.get("client") or ("",))[0])  # after uvicorn's proxy headers
+                outputs = await self._cached_outputs(self._apis[api_name], data, client)
         if outputs is None:  # not ours to answer: on to the guard and Gradio, as it came
             await self.app(scope, replay(messages, receive), send)
             return
@@ -168,7 +170,7 @@ class CachedCalls:
             self._named = self._blocks.get_api_info()["named_endpoints"]
         return self._named.get("/" + api_name)
 
-    async def _cached_outputs(self, api: CachedApi, data: list[Any]) -> bytes | None:
+    async def _cached_outputs(self, api: CachedApi, data: list[Any], client: str) -> bytes | None:
         if len(data) != 1:
             return None  # Gradio ignores extra items; its answer, not ours
         item = data[0]
@@ -181,7 +183,7 @@ class CachedCalls:
 
         def probe() -> Any:
             # What Gradio's queue probe does (an L2 read or a file read may block: a thread).
-            return self._engine.classify(api.task, api.raw_input(item), probe=True)
+            return self._engine.classify(api.task, api.raw_input(item), probe=True, client=client)
 
         try:
             result = await anyio.to_thread.run_sync(probe)

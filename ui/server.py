@@ -26,7 +26,7 @@ from admin.api import build_router
 from admin.tab import CARD_CSS, build_admin_tab
 from api import DirectInfer, build_oip_router, oip_body_limit
 from engine.models.base import takes_image
-from settings import Settings
+from settings import FORWARDED_ALLOW_IPS, Settings
 from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos, read_upload
 from ui.cached_calls import CachedApi, CachedCalls
@@ -57,7 +57,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     demo = build_demo(
         engine,
         max_upload_bytes=settings.max_upload_bytes,
-        admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth),
+        admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth, clients=runtime.client_activity),
     )
     # Classify events set their own limits (see ui.app_ui._miss_lane); the console's run one at a time.
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
@@ -177,13 +177,16 @@ class BackgroundServer:
         host: str = "127.0.0.1",
         port: int,
         header_limits: HeaderLimits | None = DEFAULT_HEADERS,
+        forwarded_allow_ips: str = FORWARDED_ALLOW_IPS,
     ) -> None:
         # An open event stream (a gradio_client's heartbeat) must not hold close() for its
         # whole join timeout: requests in flight get this long, then connections are dropped.
         # header_limits=None: uvicorn's own protocol, no limits (a benchmark's baseline).
         http = "httptools" if header_limits is None else limited_http_protocol(header_limits)
+        # forwarded_allow_ips: whose X-Forwarded-For names the client (engine.fairness).
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=1, http=http)  # fmt: skip
+                                timeout_graceful_shutdown=1, http=http,
+                                forwarded_allow_ips=forwarded_allow_ips)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
         self.url = f"http://{host}:{port}"
@@ -223,7 +226,10 @@ def serve_runtime(
     serving = ServingApp(runtime.settings, build_runtime=lambda _settings: runtime, build_app=build_app,
                          close_runtime=False)  # fmt: skip
     limits = HeaderLimits.from_settings(runtime.settings) if limit_headers else None
-    server = BackgroundServer(serving, host=host, port=port, header_limits=limits).start(timeout_s)
+    server = BackgroundServer(
+        serving, host=host, port=port, header_limits=limits,
+        forwarded_allow_ips=runtime.settings.forwarded_allow_ips,
+    ).start(timeout_s)  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while not serving.ready:
         if serving.failure is not None or time.monotonic() > deadline:
@@ -249,6 +255,8 @@ def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -
         serving, host=settings.host, port=settings.port, log_level="info", lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=limited_http_protocol(HeaderLimits.from_settings(settings)),
+        # Whose X-Forwarded-For names the client: the miss budget's identity (engine.fairness).
+        forwarded_allow_ips=settings.forwarded_allow_ips,
         # A line per request costs more server CPU than a cached answer; the request log
         # (console) and /metrics record every request.
         access_log=False,

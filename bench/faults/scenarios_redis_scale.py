@@ -44,8 +44,11 @@ class InProcessReplica:
 
 
 @contextlib.contextmanager
-def replicas_on(run: Run, redis_url: str, label: str) -> Iterator[list[InProcessReplica]]:
-    """Two replicas on `redis_url` stand in for the suite's apps until the block ends."""
+def replicas_on(
+    run: Run, redis_url: str, label: str, settings_env: dict[str, str] | None = None
+) -> Iterator[list[InProcessReplica]]:
+    """Two replicas on `redis_url` stand in for the suite's apps until the block ends
+    (`settings_env`: settings of the scenario's own; no miss budget unless it sets one)."""
     from runtime import build_runtime
     from settings import Settings
     from ui.server import serve_runtime
@@ -58,7 +61,7 @@ def replicas_on(run: Run, redis_url: str, label: str) -> Iterator[list[InProcess
             settings = Settings.from_env({
                 "REDIS_URL": redis_url, "DATA_DIR": str(ctx.work / f"{label}-{name}"), "HOST": "127.0.0.1",
                 "ADMIN_TOKEN": TOKEN, "REDIS_SOCKET_TIMEOUT_S": str(SOCKET_TIMEOUT_S),
-                "GENERATION_REFRESH_S": str(REFRESH_S),
+                "GENERATION_REFRESH_S": str(REFRESH_S), "CLIENT_MISS_RATE": "0", **(settings_env or {}),
             })  # fmt: skip
             runtime = build_runtime(settings, models=ctx.oracle.models)
             try:

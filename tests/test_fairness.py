@@ -1,0 +1,263 @@
+"""Fairness for a public demo (engine.fairness): who a client is, a miss budget per client
+(in a real Redis, shared by replicas, with a local fallback), round-robin queueing of
+misses, and the doors' answers: REST 429 + Retry-After, Gradio's error message."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from admin.charts import all_figures
+from admin.clients_tab import client_rows
+from bench.gradio_http import GradioHttpClient
+from engine.errors import InvalidInputError, OverBudgetError
+from engine.fairness import ClientLabels, FairQueue, FairSlots, MissBudget, QueueWaits, client_id
+from engine.results import RequestRecord
+from storage.breaker import CircuitBreaker
+from storage.client_buckets import LocalBuckets, RedisBuckets
+from storage.embedded_redis import EmbeddedRedis
+from storage.redis_store import RedisStore, make_client
+
+# ---- who a client is ------------------------------------------------------------------
+
+
+def test_client_is_the_address_and_an_ipv6_client_its_slash_64() -> None:
+    assert client_id("203.0.113.7") == "203.0.113.7"
+    assert client_id("::ffff:203.0.113.7") == "203.0.113.7"
+    one = client_id("2001:db8:1:2::1")
+    assert one == client_id("2001:db8:1:2:ffff:ffff:ffff:ffff") == "2001:db8:1:2::/64"
+    assert client_id("2001:db8:1:3::1") != one
+    assert client_id(None) == "unknown"
+    assert client_id("testclient") == "testclient"
+
+
+def test_a_label_never_holds_the_whole_address() -> None:
+    labels = ClientLabels()
+    label = labels.label("203.0.113.7")
+    assert label.startswith("203.0.113.x#") and "203.0.113.7" not in label
+    assert labels.label("203.0.113.8") != label  # one /24, two clients
+    six = labels.label("2001:db8:1:2::/64")
+    assert six.startswith("2001:db8:1::/48#") and "1:2" not in six
+
+
+# ---- the buckets ------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_local_bucket_spends_its_burst_then_refills_at_its_rate() -> None:
+    clock = Clock()
+    buckets = LocalBuckets(clock=clock)
+    assert [buckets.take("a", 2.0, 3) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert buckets.take("a", 2.0, 3) == pytest.approx(0.5)
+    assert buckets.take("b", 2.0, 3) == 0.0  # another client's bucket is full
+    clock.now += 0.5
+    assert buckets.take("a", 2.0, 3) == 0.0
+    assert buckets.take("a", 2.0, 3) > 0
+
+
+@pytest.fixture
+def redis_store(redis_server: EmbeddedRedis) -> Iterator[RedisStore]:
+    store = RedisStore(make_client(redis_server.url, socket_timeout_s=0.3), prefix="fair",
+                       breaker=CircuitBreaker(failure_threshold=1, reset_s=60))  # fmt: skip
+    yield store
+    store.close()
+
+
+@pytest.mark.redis
+def test_replicas_share_one_bucket_per_client_in_redis(redis_store: RedisStore) -> None:
+    # Two replicas' budgets over one Redis: together they accept the burst, not twice it.
+    replicas = [MissBudget(rate=0.5, burst=4, shared=RedisBuckets(redis_store, prefix="fair:meta:b:"))
+                for _ in range(2)]  # fmt: skip
+    accepted, refusals = 0, []
+    for turn in range(8):
+        try:
+            replicas[turn % 2].take("198.51.100.1")
+            accepted += 1
+        except OverBudgetError as exc:
+            refusals.append(exc)
+    assert accepted == 4
+    assert all(1 <= r.wait_s <= 2 and 0 < r.retry_after_s <= 2 for r in refusals)
+    replicas[0].take("198.51.100.2")  # another client is not touched
+    keys = redis_store.client.keys("fair:meta:b:*")
+    assert len(keys) == 2 and all(b"198" not in k for k in keys)  # hashed, never the address
+    assert 0 < redis_store.client.pttl(keys[0]) <= 9000  # gone once it would be full again
+    assert replicas[0].limited_clients() + replicas[1].limited_clients() >= 1
+
+
+@pytest.mark.redis
+def test_redis_down_falls_back_to_each_replicas_own_bucket(
+    redis_server: EmbeddedRedis, redis_store: RedisStore
+) -> None:
+    budget = MissBudget(rate=0.1, burst=2, shared=RedisBuckets(redis_store, prefix="fair:meta:b:"))
+    redis_server.kill()
+    budget.take("198.51.100.1")
+    budget.take("198.51.100.1")
+    with pytest.raises(OverBudgetError, match="try again in 10 s"):
+        budget.take("198.51.100.1")
+    assert budget.local_fallbacks == 3
+
+
+# ---- fair queueing ----------------------------------------------------------------------
+
+
+def test_fair_queue_serves_clients_round_robin() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for n in range(4):
+        queue.push("flood", f"f{n}")
+    queue.push("a", "a0")
+    queue.push("b", "b0")
+    queue.push("a", "a1")
+    assert [queue.pop() for _ in range(len(queue))] == ["f0", "a0", "b0", "f1", "a1", "f2", "f3"]
+
+
+def test_a_freed_pass_goes_to_the_next_client_not_the_next_arrival() -> None:
+    waits = QueueWaits()
+    slots = FairSlots(1, task="text", waits=waits)
+    order: list[str] = []
+    gate = threading.Event()
+
+    def miss(client: str, name: str) -> None:
+        with slots.slot(client):
+            order.append(name)
+            if name == "first":
+                gate.wait(5)
+
+    threads = [threading.Thread(target=miss, args=("flood", "first"))]
+    threads[0].start()
+    while not order:
+        time.sleep(0.001)
+    for n in range(5):  # the flood's five misses wait, then the ordinary client's one
+        threads.append(threading.Thread(target=miss, args=("flood", f"flood{n}")))
+        threads[-1].start()
+        while len(slots._queue) < n + 1:
+            time.sleep(0.001)
+    threads.append(threading.Thread(target=miss, args=("ordinary", "ordinary")))
+    threads[-1].start()
+    while len(slots._queue) < 6:
+        time.sleep(0.001)
+    gate.set()
+    for thread in threads:
+        thread.join(5)
+    # First come first served would put it last; round-robin puts it after one of the flood's.
+    assert order.index("ordinary") == 2, order
+    depths = {depth for (_task, depth) in waits.snapshot()}
+    assert {0, 4} <= depths  # waits recorded by how many waited on arrival
+
+
+# ---- the engine: only misses spend ------------------------------------------------------
+
+
+def test_only_misses_spend_and_a_refusal_is_logged_as_its_own_status(make_runtime) -> None:
+    runtime = make_runtime(client_miss_rate=0.01, client_miss_burst=2)
+    engine = runtime.engine
+    records: list[RequestRecord] = []
+    engine.add_listener(records.append)
+    flood = "198.51.100.9"
+    for text in ("one", "two"):
+        assert engine.classify("text", text, client=flood).tier == "miss"
+    with pytest.raises(OverBudgetError) as refused:
+        engine.classify("text", "three", client=flood)
+    assert refused.value.wait_s >= 60
+    for _ in range(5):  # hits and remembered rejections are never refused
+        assert engine.classify("text", "one", client=flood).tier == "l1"
+        with pytest.raises(InvalidInputError):
+            engine.classify("text", "   ", client=flood)
+    assert engine.classify("text", "three", client="198.51.100.10").tier == "miss"  # another client
+    assert engine.classify("text", "four").tier == "miss"  # the app's own request has no budget
+    statuses = [r.status for r in records]
+    assert statuses.count("refused") == 1 and statuses.count("ok") == 9
+    refusal = next(r for r in records if r.status == "refused")
+    assert refusal.error_code == "over_budget" and refusal.tier is None
+    assert refusal.client is not None and flood not in refusal.client
+    assert engine.counters().refused == 1
+    assert engine.fairness_state()["limited_clients"] == 1
+
+
+# ---- the doors --------------------------------------------------------------------------
+
+
+def _infer(url: str, text: str, forwarded_for: str | None = None) -> httpx.Response:
+    body = {"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": [text]}]}
+    headers = {"x-forwarded-for": forwarded_for} if forwarded_for else {}
+    return httpx.post(f"{url}/v2/models/text/infer", json=body, headers=headers, timeout=10)
+
+
+def test_rest_answers_429_with_retry_after_and_still_serves_hits(serve) -> None:
+    url, _ = serve(client_miss_rate=0.05, client_miss_burst=2)
+    assert _infer(url, "hello there", "203.0.113.5").status_code == 200
+    assert _infer(url, "second message", "203.0.113.5").status_code == 200
+    refused = _infer(url, "third message", "203.0.113.5")
+    assert refused.status_code == 429
+    assert 1 <= int(refused.headers["retry-after"]) <= 20
+    assert "Too many new inputs from your address" in refused.json()["error"]
+    hit = _infer(url, "hello there", "203.0.113.5")  # from memory, on the event loop
+    assert hit.status_code == 200 and hit.json()["parameters"]["tier"] == "l1"
+    # A trusted proxy (loopback, the default) names another client: its own budget.
+    assert _infer(url, "third message", "203.0.113.6").status_code == 200
+    # An IPv6 client is its /64: another address in it shares the bucket.
+    assert _infer(url, "v6 one", "2001:db8:5:6::1").status_code == 200
+    assert _infer(url, "v6 two", "2001:db8:5:6::2").status_code == 200
+    assert _infer(url, "v6 three", "2001:db8:5:6::3").status_code == 429
+
+
+def test_x_forwarded_for_from_an_untrusted_peer_is_ignored(serve) -> None:
+    url, _ = serve(client_miss_rate=0.05, client_miss_burst=1, forwarded_allow_ips="192.0.2.1")
+    assert _infer(url, "first", "203.0.113.5").status_code == 200
+    # The header would make it another client; from an untrusted peer it is the peer itself.
+    assert _infer(url, "second", "203.0.113.99").status_code == 429
+
+
+def _gradio_call(url: str, text: str, forwarded_for: str) -> Any:
+    with GradioHttpClient(url, headers={"x-forwarded-for": forwarded_for}) as client:
+        return client.call("classify_text", [text])
+
+
+def test_gradio_shows_the_budget_message_and_serves_hits(serve) -> None:
+    url, _ = serve(client_miss_rate=0.05, client_miss_burst=1)
+    assert _gradio_call(url, "gradio first", "203.0.113.7").outputs[1]["tier"] == "miss"
+    refused = _gradio_call(url, "gradio second", "203.0.113.7")
+    assert refused.error_message is not None
+    assert "Too many new inputs from your address in a short time; answers already cached still work; " \
+           "try again in" in refused.error_message  # fmt: skip
+    assert _gradio_call(url, "gradio first", "203.0.113.7").outputs[1]["tier"] == "l1"
+    assert _gradio_call(url, "gradio second", "203.0.113.8").outputs[1]["tier"] == "miss"
+
+
+# ---- visible: metrics, the console, the request log --------------------------------------
+
+
+def test_refusals_show_in_metrics_the_busiest_clients_and_the_tier_chart(serve) -> None:
+    url, runtime = serve(client_miss_rate=0.05, client_miss_burst=1)
+    assert _infer(url, "visible one", "203.0.113.40").status_code == 200
+    assert _infer(url, "visible two", "203.0.113.40").status_code == 429
+    assert _infer(url, "visible one", "203.0.113.40").status_code == 200  # a hit
+    assert _infer(url, "visible one", "203.0.113.41").status_code == 200  # another client's hit
+    metrics = httpx.get(url + "/metrics").text
+    assert 'infcache_refused_misses_total{route="rest",task="text"} 1.0' in metrics
+    assert "infcache_clients_limited 1.0" in metrics
+    assert 'infcache_miss_queue_waits_total{task="text",waiting="0"}' in metrics
+    assert "203.0.113.40" not in metrics
+
+    rows = client_rows(runtime.client_activity, "5m")
+    assert [row[1:] for row in rows] == [[1, 1, 1], [0, 1, 0]]  # misses, hits, refused
+    assert rows[0][0].startswith("203.0.113.x#") and not any("203.0.113.4" in str(r) for r in rows)
+
+    runtime.log_writer.flush()
+    data = runtime.admin.stats("1h")
+    assert data["summary"]["total"] == 4  # the refusal is logged as its own status
+    figure = all_figures(data)["tiers"]
+    refused = next(trace for trace in figure.data if trace.name.startswith("refused"))
+    assert sum(refused.y) == 1
+    assert data["per_minute"][0]["total"] == 3  # answers only: a refusal is no answer
