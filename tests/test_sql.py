@@ -235,7 +235,8 @@ class TestQueries:
         assert [(b.minute, b.total, b.hits) for b in buckets] == [
             (minute(NOW - 200), 1, 0), (minute(NOW - 30), 6, 5),
         ]  # fmt: skip
-        assert buckets[1].by_tier == {"l1": 3, "l2": 1, "coalesced": 1, "miss": 1}
+        # Refused misses (a client over its budget) are drawn with the tiers, never counted as answers.
+        assert buckets[1].by_tier == {"l1": 3, "l2": 1, "coalesced": 1, "miss": 1, "refused": 0}
 
     def test_latency_histogram(self, db: Engine) -> None:
         self.fill(db)
