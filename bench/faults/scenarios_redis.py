@@ -37,7 +37,11 @@ def redis_killed(run: Run) -> None:
         time.sleep(sizes.phase_s)
         killed_at = time.monotonic()
         ctx.redis_server.kill()
-        time.sleep(sizes.outage_s)
+        # New inputs on each replica while Redis is down: the pool may be all in L1 by now
+        # (no L2 round trip to fail), a new input's lookup must meet the dead Redis.
+        for replica in (0, 1):
+            run.send(ctx.probe_case(), replica)
+        time.sleep(max(0.0, sizes.outage_s - (time.monotonic() - killed_at)))
         ctx.redis_server.start()
         restarted_at = time.monotonic()
         recovery = wait_l2_in_use(run, restarted_at, sizes.recovery_limit_s)
