@@ -323,6 +323,13 @@ class Settings:
     # after a model swap or a generation bump (engine.warmup); 0: off, nothing kept.
     warm_set_size: int = 0
     warm_set_ttl_s: int = 86_400
+    # Hard examples (engine.hard_examples): inputs per task the model was unsure of (top score
+    # below HARD_EXAMPLE_MAX_SCORE or top-two margin below HARD_EXAMPLE_MIN_MARGIN, or shadow
+    # verification disagreed), kept in Redis for HARD_EXAMPLES_TTL_S to be labelled; 0: off.
+    hard_examples_size: int = 0
+    hard_examples_ttl_s: int = 7 * 86_400
+    hard_example_max_score: float = 0.5
+    hard_example_min_margin: float = 0.1
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -392,4 +399,8 @@ class Settings:
             models_config=_models_config(env),
             warm_set_size=_int(env, "WARM_SET_SIZE", 0, minimum=0),
             warm_set_ttl_s=_int(env, "WARM_SET_TTL_S", 86_400, minimum=1),
+            hard_examples_size=_int(env, "HARD_EXAMPLES_SIZE", 0, minimum=0),
+            hard_examples_ttl_s=_int(env, "HARD_EXAMPLES_TTL_S", 7 * 86_400, minimum=1),
+            hard_example_max_score=_rate(env, "HARD_EXAMPLE_MAX_SCORE", 0.5),
+            hard_example_min_margin=_rate(env, "HARD_EXAMPLE_MIN_MARGIN", 0.1),
         )

@@ -90,6 +90,7 @@ class InferenceEngine:
         self._fleet_flight = fleet_flight
         self._fleet: Any = None  # engine.fleet.FleetMember, attached by the composition root
         self._warm_set: Any = None  # engine.warmup.WarmSet (WARM_SET_SIZE > 0): counts hits per key
+        self._answer_hooks: list[Callable[[str, ClassifyResult, Any], None]] = []  # add_answer_hook
         self._codec = codec or ValueCodec()  # unsigned (checksum) unless given signing keys
         # Only models that gain from it batch (see engine.batching): one pass at a time, the
         # misses that wait meanwhile share the next. The others run up to their limit at once.
@@ -214,6 +215,8 @@ class InferenceEngine:
         self._emit_result(task, result, route)
         if self._warm_set is not None:
             self._warm_set.note(task, result.key, raw)
+        for hook in self._answer_hooks:
+            hook(task, result, raw)
         return result
 
     def warm(self, task: str, raw: Any) -> str:
@@ -242,6 +245,11 @@ class InferenceEngine:
         """engine.warmup.WarmSet: every answered request is noted (its key and raw input)."""
         self._warm_set = warm_set
 
+    def add_answer_hook(self, hook: Callable[[str, ClassifyResult, Any], None]) -> None:
+        """`hook(task, result, raw)` after every answered request (engine.hard_examples); it must
+        be cheap and never raise: it runs on the request path."""
+        self._answer_hooks.append(hook)
+
     def classify_from_memory(self, task: str, raw: Any, *, route: str) -> ClassifyResult | None:
         """The answer when this replica's memory (L1) holds it, else None; never blocks (no
         Redis, no model, no decode), so an event loop may call it for a small input. A hit
@@ -260,6 +268,8 @@ class InferenceEngine:
         self._emit_result(task, result, route)
         if self._warm_set is not None:
             self._warm_set.note(task, result.key, raw)
+        for hook in self._answer_hooks:
+            hook(task, result, raw)
         return result
 
     def close(self) -> None:

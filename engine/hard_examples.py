@@ -1,0 +1,269 @@
+"""Hard examples: inputs the cache cannot help with and the model was unsure of, kept for an
+operator to label and export as a data set for the next model (`HARD_EXAMPLES_SIZE` > 0).
+
+What is kept, per task, at most `size` (storage.hard_example_store, shared by the fleet):
+- answers the model computed (tier "miss", never a hit) whose top score is below
+  `max_score`, or whose first two classes are closer than `min_margin`;
+- inputs that shadow verification found disagreeing (engine.shadow), with both answers.
+
+The request path (`note`, called by the engine after every answer) costs a comparison of two
+floats, and for a kept or held input a dict update under a lock; the raw input is held by
+reference until the next flush, within `MAX_HELD` inputs and `MAX_HELD_BYTES` bytes. Later asks
+of a kept input (hits included) are counted, so the operator sees how often each was asked.
+The owned thread flushes every `FLUSH_S`: it stores new inputs as the warm set does (text as
+typed, an image as a PNG of its decoded pixels; engine.warmup.stored_form), counts asks, and
+refreshes which ids are kept. These are users' inputs: they never reach the request log, the
+audit log or the metrics (only their digests and the operator's labels are audited).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.errors import CacheUnavailableError
+from engine.models.base import Classifier, Prediction, takes_image
+from engine.warmup import stored_form
+from storage.hard_example_store import HardExampleStore, NewEntry
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 5.0
+MAX_HELD = 1_000  # new inputs held between two flushes, all tasks together
+MAX_HELD_BYTES = 64 * 1024 * 1024  # and their raw size: a burst of large uploads stays bounded
+MAX_EXAMPLE_BYTES = 8 * 1024 * 1024  # a stored input larger than this (a huge image) is not kept
+NONE_OF_THESE = "none of these"
+STATES = ("pending", "labelled", "none", "skipped")
+
+
+def hard_reason(prediction: Prediction, *, max_score: float, min_margin: float) -> str | None:
+    """Why an answer counts as hard ("low_score", "small_margin"), or None."""
+    labels = prediction.labels
+    top = labels[0][1]
+    if top < max_score:
+        return "low_score"
+    if len(labels) > 1 and top - labels[1][1] < min_margin:
+        return "small_margin"
+    return None
+
+
+def model_classes(model: Classifier) -> list[str]:
+    """Every class a model can answer (a user's model: its id2label; the built-ins: intents,
+    ImageNet categories); empty when the model does not say."""
+    for name in ("labels", "intent_names", "categories"):
+        value = getattr(model, name, None)
+        if isinstance(value, list | tuple) and value and all(isinstance(v, str) for v in value):
+            return list(value)
+    return []
+
+
+@dataclass
+class _Held:
+    raw: Any
+    info: dict[str, Any]
+    asked: int
+    size: int
+
+
+@dataclass
+class HardExampleCounters:
+    candidates: int = 0  # hard answers noted on this replica
+    kept: int = 0  # stored by this replica's flushes
+    evicted: int = 0  # made room for them
+    refused: int = 0  # the set was full of higher-ranked or labelled examples
+    overflow: int = 0  # not held: MAX_HELD or MAX_HELD_BYTES reached before a flush
+    too_large: int = 0  # over MAX_EXAMPLE_BYTES once stored
+    flushes: int = 0
+    flush_cpu_s: float = 0.0  # the flush thread's CPU time (the bench weighs it per miss)
+    redis_errors: int = 0
+
+
+def _digest(key: str) -> str:
+    return key.rsplit(":", 1)[-1]
+
+
+def _size(raw: Any) -> int:
+    return len(raw) if isinstance(raw, str | bytes | bytearray) else 1024
+
+
+class HardExamples:
+    """Owns one daemon thread (start/close)."""
+
+    def __init__(
+        self,
+        store: HardExampleStore,
+        *,
+        size: int,
+        ttl_s: int,
+        max_score: float,
+        min_margin: float,
+        models: Callable[[], Mapping[str, Classifier]],
+        flush_s: float = FLUSH_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if size < 1:
+            raise ValueError("HardExamples needs size >= 1 (HARD_EXAMPLES_SIZE=0 means none at all)")
+        self.store = store
+        self.size = size
+        self.ttl_s = int(ttl_s)
+        self.max_score = max_score
+        self.min_margin = min_margin
+        self._models = models
+        self._flush_s = flush_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._held_bytes = 0
+        self._asks: dict[tuple[str, str], int] = {}  # later asks of kept inputs
+        self._kept: set[tuple[str, str]] = set()
+        self._counters = HardExampleCounters()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the request path ----------------------------------------------------
+
+    def note(self, task: str, result: Any, raw: Any) -> None:
+        """One answered request (engine.service.ClassifyResult); cheap, never raises."""
+        reason = None
+        if result.tier == "miss":
+            reason = hard_reason(result.prediction, max_score=self.max_score, min_margin=self.min_margin)
+        ident = (task, _digest(result.key))
+        # Lock-free first look (a hit of an input not kept is the common case): membership
+        # reads of a dict or set are atomic, and a stale answer only misses one count.
+        if reason is None and ident not in self._kept and ident not in self._held:
+            return
+        with self._lock:
+            held = self._held.get(ident)
+            if held is not None:
+                held.asked += 1
+            elif ident in self._kept:
+                self._asks[ident] = self._asks.get(ident, 0) + 1
+            elif reason is not None:
+                info = {"reason": reason, "labels": result.prediction.to_plain(),
+                        "model_version": result.model_version, "answered_at": self._clock()}  # fmt: skip
+                self._hold(ident, raw, info)
+
+    def note_disagreement(self, task: str, key: str, raw: Any, *, cached: Prediction, fresh: Prediction,
+                          version: str) -> None:  # fmt: skip
+        """Shadow verification found the cached answer for `key` wrong (its thread calls this)."""
+        info = {"reason": "shadow_mismatch", "labels": fresh.to_plain(), "model_version": version,
+                "answered_at": self._clock(), "cached_labels": cached.to_plain()}  # fmt: skip
+        with self._lock:
+            ident = (task, _digest(key))
+            if ident not in self._held and ident not in self._kept:  # else kept already
+                self._hold(ident, raw, info)
+
+    def _hold(self, ident: tuple[str, str], raw: Any, info: dict[str, Any]) -> None:
+        size = _size(raw)
+        self._counters.candidates += 1
+        if len(self._held) >= MAX_HELD or self._held_bytes + size > MAX_HELD_BYTES:
+            self._counters.overflow += 1
+            return
+        self._held[ident] = _Held(raw, info, 1, size)
+        self._held_bytes += size
+
+    # ---- life cycle ----------------------------------------------------------
+
+    def start(self) -> HardExamples:
+        if self._thread is None:
+            try:  # ids kept by the fleet before this replica started: their asks count too
+                self.refresh_kept()
+            except CacheUnavailableError as exc:
+                log.warning("hard examples: Redis did not answer at start-up (%s)", exc)
+            self._thread = threading.Thread(target=self._run, name="hard-examples", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread after a last flush; idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._flush_s)
+            self._wake.clear()
+            self._safe_flush()
+        self._safe_flush()
+
+    def _safe_flush(self) -> None:
+        try:
+            self.flush()
+        except CacheUnavailableError as exc:
+            self._counters.redis_errors += 1
+            log.warning("hard examples flush skipped: Redis did not answer (%s)", exc)
+        except Exception:  # never kill the thread
+            log.exception("hard examples flush failed")
+
+    def counters(self) -> dict[str, Any]:
+        with self._lock:
+            snap = asdict(self._counters)
+            snap["held"], snap["held_bytes"] = len(self._held), self._held_bytes
+        return snap
+
+    # ---- flush ---------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Held inputs and counted asks to Redis; then which ids the fleet keeps now."""
+        with self._flush_lock:
+            started = time.thread_time()
+            with self._lock:
+                held, self._held, self._held_bytes = self._held, {}, 0
+                asks, self._asks = self._asks, {}
+            models = self._models()
+            now = self._clock()
+            tasks = {task for task, _ in held} | {task for task, _ in asks}
+            try:
+                for task in sorted(tasks):
+                    entries = self._entries(task, models.get(task), held, asks)
+                    outcome = self.store.add(task, entries, size=self.size, ttl_s=self.ttl_s, now=now)
+                    with self._lock:
+                        self._counters.kept += outcome.added
+                        self._counters.evicted += outcome.evicted
+                        self._counters.refused += outcome.refused
+                self.refresh_kept(tasks or None)
+            finally:
+                with self._lock:
+                    self._counters.flushes += 1
+                    self._counters.flush_cpu_s += time.thread_time() - started
+
+    def _entries(self, task: str, model: Classifier | None, held: dict[tuple[str, str], _Held],
+                 asks: dict[tuple[str, str], int]) -> list[NewEntry]:  # fmt: skip
+        entries = [NewEntry(d, b"", {}, n) for (t, d), n in asks.items() if t == task and n > 0]
+        if model is None:  # the task went away meanwhile
+            return entries
+        kind = "image" if takes_image(model) else "text"
+        for (t, digest), item in held.items():
+            if t != task:
+                continue
+            value = stored_form(model, item.raw)
+            if value is None:
+                continue
+            if len(value) > MAX_EXAMPLE_BYTES:
+                with self._lock:
+                    self._counters.too_large += 1
+                continue
+            info = {**item.info, "kind": kind, "first_seen": item.info["answered_at"]}
+            entries.append(NewEntry(digest, value, info, item.asked))
+        return entries
+
+    def refresh_kept(self, tasks: set[str] | None = None) -> None:
+        """Read which ids are kept (every replica's additions, the operator's deletions)."""
+        names = sorted(tasks) if tasks is not None else list(self._models())
+        fresh = {(task, ident) for task in names for ident in self.store.ids(task)}
+        with self._lock:
+            self._kept = {k for k in self._kept if k[0] not in names} | fresh
+
+    def forget(self, task: str, ident: str) -> None:
+        """An operator deleted it: later asks no longer count (until it is hard again)."""
+        with self._lock:
+            self._kept.discard((task, ident))
