@@ -224,8 +224,8 @@ class HardExamples:
             tasks = {task for task, _ in held} | {task for task, _ in asks}
             try:
                 for task in sorted(tasks):
-                    entries = self._entries(task, models.get(task), held, asks)
-                    outcome = self.store.add(task, entries, size=self.size, ttl_s=self.ttl_s, now=now)
+                    entries = self._entries(task, models.get(task), held, asks, now)
+                    outcome = self.store.add(task, entries, size=self.size, ttl_s=self.ttl_s)
                     with self._lock:
                         self._counters.kept += outcome.added
                         self._counters.evicted += outcome.evicted
@@ -237,8 +237,8 @@ class HardExamples:
                     self._counters.flush_cpu_s += time.thread_time() - started
 
     def _entries(self, task: str, model: Classifier | None, held: dict[tuple[str, str], _Held],
-                 asks: dict[tuple[str, str], int]) -> list[NewEntry]:  # fmt: skip
-        entries = [NewEntry(d, b"", {}, n) for (t, d), n in asks.items() if t == task and n > 0]
+                 asks: dict[tuple[str, str], int], now: float) -> list[NewEntry]:  # fmt: skip
+        entries = [NewEntry(d, b"", {}, n, now) for (t, d), n in asks.items() if t == task and n > 0]
         if model is None:  # the task went away meanwhile
             return entries
         kind = "image" if takes_image(model) else "text"
@@ -253,7 +253,7 @@ class HardExamples:
                     self._counters.too_large += 1
                 continue
             info = {**item.info, "kind": kind, "first_seen": item.info["answered_at"]}
-            entries.append(NewEntry(digest, value, info, item.asked))
+            entries.append(NewEntry(digest, value, info, item.asked, item.info["answered_at"]))
         return entries
 
     def refresh_kept(self, tasks: set[str] | None = None) -> None:

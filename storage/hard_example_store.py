@@ -29,40 +29,41 @@ from typing import Any
 from storage.redis_store import RedisStore
 
 FIELDS = ("inputs", "info", "label", "asked", "seen", "rank")
-# Times asked count in the rank up to this; beyond it only recency orders (a double holds
-# asked * 1e10 + epoch seconds exactly below 2**53).
+# Times asked count in the rank up to this; then recency (a double holds asked * 1e10 + epoch
+# seconds below 2**53; at small counts to the microsecond). A newcomer wins a tie: it is newer.
 MAX_RANKED_ASKS = 900_000
 
-# KEYS: the six keys of FIELDS. ARGV: size, ttl_s, now, then per entry: id, input ("" for a
-# count only), info JSON, asked increment. Returns {added, updated, evicted, refused}.
+# KEYS: the six keys of FIELDS. ARGV: size, ttl_s, then per entry: id, input ("" for a count
+# only), info JSON, asked increment, when last asked. Returns {added, updated, evicted, refused}.
 _ADD_SCRIPT = """
-local size, ttl, now = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local size, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local inputs, info, label, asked, seen, rank = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local added, updated, evicted, refused = 0, 0, 0, 0
-local function score(n, state)
+local function score(n, state, now)
   if state == 'skipped' then n = 0 end
-  return math.min(n, 900000) * 1e10 + math.floor(now)
+  return math.min(n, 900000) * 1e10 + now
 end
 local function state_of(id)
   local raw = redis.call('HGET', label, id)
   if not raw then return 'pending' end
   return cjson.decode(raw)['state']
 end
-for i = 4, #ARGV, 4 do
+for i = 3, #ARGV, 5 do
   local id, input, meta, inc = ARGV[i], ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3])
+  local now = tonumber(ARGV[i + 4])
   if redis.call('HEXISTS', info, id) == 1 then
     local n = redis.call('HINCRBY', asked, id, inc)
     redis.call('ZADD', seen, now, id)
     if redis.call('ZSCORE', rank, id) then
-      redis.call('ZADD', rank, score(n, state_of(id)), id)
+      redis.call('ZADD', rank, score(n, state_of(id), now), id)
     end
     updated = updated + 1
   elseif input ~= '' then
-    local mine = score(inc, 'pending')
+    local mine = score(inc, 'pending', now)
     local room = redis.call('HLEN', info) < size
     if not room then
       local lowest = redis.call('ZRANGE', rank, 0, 0, 'WITHSCORES')
-      if lowest[1] and tonumber(lowest[2]) < mine then
+      if lowest[1] and tonumber(lowest[2]) <= mine then
         local victim = lowest[1]
         redis.call('HDEL', inputs, victim)
         redis.call('HDEL', info, victim)
@@ -96,7 +97,7 @@ local id, record, state, now = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 if redis.call('HEXISTS', KEYS[2], id) == 0 then return 0 end
 redis.call('HSET', KEYS[3], id, record)
 if state == 'skipped' then
-  redis.call('ZADD', KEYS[6], math.floor(now), id)
+  redis.call('ZADD', KEYS[6], now, id)
 else
   redis.call('ZREM', KEYS[6], id)
 end
@@ -114,12 +115,14 @@ class AddOutcome:
 
 @dataclass(frozen=True)
 class NewEntry:
-    """One input for `HardExampleStore.add`: `stored` empty means "count these asks only"."""
+    """One input for `HardExampleStore.add`: `stored` empty means "count these asks only";
+    `at`: when it was last asked (its recency in the rank)."""
 
     id: str
     stored: bytes
     info: dict[str, Any]
     asked: int
+    at: float
 
 
 class HardExampleStore:
@@ -139,13 +142,14 @@ class HardExampleStore:
         anchor = self.key(task, "info")
         return self._store.call(lambda: work(self._store.client), key=anchor)
 
-    def add(self, task: str, entries: Sequence[NewEntry], *, size: int, ttl_s: int, now: float) -> AddOutcome:
+    def add(self, task: str, entries: Sequence[NewEntry], *, size: int, ttl_s: int) -> AddOutcome:
         """Add new inputs and count asks of kept ones (see the module docstring); one round trip."""
         if not entries:
             return AddOutcome()
-        args: list[Any] = [size, int(ttl_s), now]
+        args: list[Any] = [size, int(ttl_s)]
         for entry in entries:
-            args += [entry.id, entry.stored, json.dumps(entry.info, separators=(",", ":")), int(entry.asked)]
+            info = json.dumps(entry.info, separators=(",", ":"))
+            args += [entry.id, entry.stored, info, int(entry.asked), entry.at]
         keys = self._keys(task)
         reply = self._run(task, lambda client: client.eval(_ADD_SCRIPT, len(keys), *keys, *args))
         return AddOutcome(*(int(n) for n in reply))
