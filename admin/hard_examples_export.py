@@ -78,9 +78,10 @@ def to_parquet(table_rows: Sequence[dict[str, Any]], classes: Sequence[str], *, 
 
 
 def to_folder_zip(table_rows: Sequence[dict[str, Any]], *, task: str, image: bool) -> bytes:
-    """Images: `train/<label>/<id>.png` plus `train/metadata.jsonl` (datasets' imagefolder);
-    text: `train.jsonl` with `text` and `label` (what transformers' text-classification
-    examples take). Only examples the operator gave a class to; the rest have none to learn."""
+    """Images: `train/<label>/<id>.png` (datasets' imagefolder infers the ClassLabel from the
+    folders) and, beside `train/` so the loader keeps its labels, `hard_examples.jsonl` with
+    each file's model answer and times asked; text: `train.jsonl` with `text` and `label` (what
+    transformers' text-classification examples take). Only examples given a class."""
     labelled = [r for r in table_rows if r["operator_label"] is not None]
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
@@ -89,8 +90,9 @@ def to_folder_zip(table_rows: Sequence[dict[str, Any]], *, task: str, image: boo
             for r in labelled:
                 name = f"{_safe(r['operator_label'])}/{r['id']}.png"
                 archive.writestr(f"train/{name}", r["input"])
-                lines.append(json.dumps({"file_name": name, **_extra(r)}))
-            archive.writestr("train/metadata.jsonl", "\n".join(lines) + ("\n" if lines else ""))
+                lines.append(json.dumps({"file_name": f"train/{name}", "label": r["operator_label"],
+                                         **_extra(r)}, ensure_ascii=False))  # fmt: skip
+            archive.writestr("hard_examples.jsonl", "\n".join(lines) + ("\n" if lines else ""))
         else:
             lines = [json.dumps({"text": r["input"], "label": r["operator_label"], **_extra(r)},
                                 ensure_ascii=False) for r in labelled]  # fmt: skip
@@ -111,7 +113,7 @@ def _safe(label: str) -> str:
 
 
 def _card(task: str, count: int, *, image: bool) -> str:
-    how = ('load_dataset("imagefolder", data_dir="train")' if image
+    how = ('load_dataset("imagefolder", data_dir="<this folder>")' if image
            else 'load_dataset("json", data_files="train.jsonl")')  # fmt: skip
     return (f"# Hard examples of task `{task}`\n\n{count} inputs the served model was unsure of, "
             f"labelled by an operator.\n\nLoad with `datasets`: `{how}`.\n\nThese are users' inputs: "
