@@ -145,8 +145,8 @@ def test_a_stream_of_10000_unsure_inputs_stays_bounded(
 def test_the_api_labels_skips_deletes_and_audits_without_inputs(
     serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis
 ) -> None:
-    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url, hard_examples_size=10,
-                         admin_token=TOKEN)  # fmt: skip
+    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
+                         hard_examples_size=10, admin_token=TOKEN)  # fmt: skip
     secret = "my card number is 4111 and it failed"
     for text in (secret, "unsure two", "unsure three"):
         runtime.engine.classify("text", text)
@@ -163,7 +163,8 @@ def test_the_api_labels_skips_deletes_and_audits_without_inputs(
     def label(ident: str, **fields: Any) -> httpx.Response:
         return httpx.post(f"{api}/{ident}/label", json={"task": "text", **fields}, headers=AUTH)
 
-    assert httpx.post(f"{api}/{ids[secret]}/label", json={"task": "text", "label": "refund"}).status_code == 401
+    anonymous = httpx.post(f"{api}/{ids[secret]}/label", json={"task": "text", "label": "refund"})
+    assert anonymous.status_code == 401
     wrong = label(ids[secret], label="not-a-class")
     assert wrong.status_code == 400 and "refund" in wrong.json()["error"]
     assert label("b3" + "0" * 32, label="refund").status_code == 404
@@ -202,8 +203,8 @@ def test_export_parquet_reads_with_datasets(
     serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
     datasets = pytest.importorskip("datasets")
-    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url, hard_examples_size=10,
-                         admin_token=TOKEN)  # fmt: skip
+    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
+                         hard_examples_size=10, admin_token=TOKEN)  # fmt: skip
     for text in ("unsure a", "unsure b", "unsure c"):
         runtime.engine.classify("text", text)
     runtime.engine.classify("text", "unsure a")
@@ -223,7 +224,8 @@ def test_export_parquet_reads_with_datasets(
     assert data.num_rows == 2  # the labelled and the "none of these"; not the pending one
     assert data.features["label"].names == list(CLASSES)
     rows = {r["text"]: r for r in data}
-    assert rows["unsure a"]["label"] == CLASSES.index("greeting") and rows["unsure a"]["operator_label"] == "greeting"
+    assert rows["unsure a"]["label"] == CLASSES.index("greeting")
+    assert rows["unsure a"]["operator_label"] == "greeting"
     assert rows["unsure a"]["model_label"] == "refund" and rows["unsure a"]["times_asked"] == 2
     assert rows["unsure a"]["model_scores"][0] == {"label": "refund", "score": 0.4}
     assert rows["unsure b"]["label"] == -1 and rows["unsure b"]["status"] == "none"

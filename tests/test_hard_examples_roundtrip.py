@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import re
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,9 @@ def readme_finetune_example() -> str:
 
 
 @pytest.fixture
-def served(base_settings: Settings, tmp_path: Path, redis_server: EmbeddedRedis) -> Iterator[tuple[str, Runtime]]:
+def served(
+    base_settings: Settings, tmp_path: Path, redis_server: EmbeddedRedis
+) -> Iterator[tuple[str, Runtime]]:
     from ui.server import serve_runtime
 
     config = write_config(tmp_path / "models.yaml", [
@@ -84,8 +86,8 @@ def test_label_export_finetune_reload(served: tuple[str, Runtime], tmp_path: Pat
         done = httpx.post(f"{url}/admin/api/hard-examples/{kept[text]['id']}/label",
                           json={"task": "sentiment", "label": wanted[text]}, headers=AUTH)  # fmt: skip
         assert done.status_code == 200, done.text
-    export = httpx.get(f"{url}/admin/api/hard-examples/export", params={"task": "sentiment", "format": "parquet"},
-                       headers=AUTH, timeout=30)  # fmt: skip
+    export = httpx.get(f"{url}/admin/api/hard-examples/export", headers=AUTH, timeout=30,
+                       params={"task": "sentiment", "format": "parquet"})  # fmt: skip
     assert export.status_code == 200, export.text
     parquet = tmp_path / "hard-examples-sentiment.parquet"
     parquet.write_bytes(export.content)
@@ -108,7 +110,9 @@ def test_label_export_finetune_reload(served: tuple[str, Runtime], tmp_path: Pat
         assert label == wanted[text], (text, label, wanted[text])
 
 
-def test_images_kept_as_png_and_exported_as_an_imagefolder(served: tuple[str, Runtime], tmp_path: Path) -> None:
+def test_images_kept_as_png_and_exported_as_an_imagefolder(
+    served: tuple[str, Runtime], tmp_path: Path
+) -> None:
     import numpy as np
     from PIL import Image
 
@@ -133,8 +137,8 @@ def test_images_kept_as_png_and_exported_as_an_imagefolder(served: tuple[str, Ru
     hard.act("photo", examples[0]["id"], action=None, label=IMAGE_LABELS[1], actor="test")
     hard.act("photo", examples[1]["id"], action=None, label=IMAGE_LABELS[3], actor="test")
     hard.act("photo", examples[2]["id"], action="none", label=None, actor="test")
-    answer = httpx.get(f"{url}/admin/api/hard-examples/export", params={"task": "photo", "format": "imagefolder"},
-                       headers=AUTH, timeout=30)  # fmt: skip
+    answer = httpx.get(f"{url}/admin/api/hard-examples/export", headers=AUTH, timeout=30,
+                       params={"task": "photo", "format": "imagefolder"})  # fmt: skip
     assert answer.status_code == 200
     folder = tmp_path / "photo-set"
     with zipfile.ZipFile(io.BytesIO(answer.content)) as archive:
