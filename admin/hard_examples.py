@@ -60,6 +60,10 @@ class HardExampleAdmin:
         model = self._engine.models.get(task)
         return model_classes(model) if model is not None else []
 
+    def takes_image(self, task: str) -> bool:
+        model = self._engine.models.get(task)
+        return model is not None and takes_image(model)
+
     def summary(self) -> dict[str, Any]:
         """Settings and this replica's counters (no inputs)."""
         if self._collector is None:
@@ -156,7 +160,7 @@ class HardExampleAdmin:
             inputs = collector.store.inputs(task, [r["id"] for r in records])
         except CacheUnavailableError as exc:
             raise _unavailable(exc) from None
-        image = takes_image(self._engine.models[task])
+        image = self.takes_image(task)
         kept = []
         for record in records:
             value = inputs.get(record["id"])

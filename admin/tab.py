@@ -12,6 +12,7 @@ import gradio as gr
 
 from admin.auth import AdminAuth, AuthOutcome
 from admin.charts import all_figures
+from admin.hard_examples_tab import build_hard_examples_panel
 from admin.models_tab import build_models_panel
 from admin.replicas_tab import build_replicas_panel, fleet_line
 from admin.service import WINDOWS_S, AdminService, LogUnavailableError
@@ -183,6 +184,7 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth) -> None:
             replicas_after = build_replicas_panel(admin, session, [refresh_btn.click, window.change])
             build_trust_panel(admin, session)
             build_models_panel(admin, session)
+            build_hard_examples_panel(admin, session)
 
         refresh_outputs = [cards, hit_plot, tier_plot, latency_plot, hot_plot, state_json, audit]
         sign_in_event = gr.on(

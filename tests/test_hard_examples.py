@@ -275,3 +275,46 @@ def test_off_by_default_and_without_redis(make_runtime: Callable[..., Runtime],
     url, _ = serve(models={"text": ConfidenceModel()}, admin_token=TOKEN)
     off = httpx.get(f"{url}/admin/api/hard-examples", params={"task": "text"}, headers=AUTH)
     assert off.status_code == 409 and "HARD_EXAMPLES_SIZE" in off.json()["error"]
+
+
+def test_console_callbacks_need_sign_in_label_and_export(
+    make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis
+) -> None:
+    import gradio as gr
+
+    from admin.hard_examples_tab import example_rows, make_hard_example_callbacks
+
+    runtime = make_runtime(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
+                           hard_examples_size=5)  # fmt: skip
+    for text in ("unsure one", "unsure two", "unsure two"):
+        runtime.engine.classify("text", text)
+    collector_of(runtime).flush()
+    cb = make_hard_example_callbacks(runtime.admin)
+    with pytest.raises(gr.Error, match="Sign in"):
+        cb["refresh"](None, "text")
+    with pytest.raises(gr.Error, match="Sign in"):
+        cb["act"](None, "text", "b3" + "0" * 32, "refund", "label")
+    summary, rows, gallery, choices = cb["refresh"]("token:abc ui 127.0.0.1", "text")
+    assert "**2/5 kept** (2 pending)" in summary and gallery == []
+    assert [r[1] for r in rows] == ["unsure two", "unsure one"]  # the most asked first
+    assert rows == example_rows(runtime.admin.hard_examples.list("text")["examples"])
+    first = choices["value"]
+    text, picture, answer, details, classes = cb["show"]("token:abc ui 127.0.0.1", "text", first)
+    assert text == "unsure two" and picture is None and answer == {"refund": 0.4, "delivery": 0.35,
+                                                                    "greeting": 0.25}  # fmt: skip
+    assert "Asked **2** times" in details and classes["choices"] == [*CLASSES, NONE_OF_THESE]
+    with pytest.raises(gr.Error, match="Pick the right class"):
+        cb["act"]("token:abc ui 127.0.0.1", "text", first, None, "label")
+    with pytest.raises(gr.Error, match="one of the model's classes"):
+        cb["act"]("token:abc ui 127.0.0.1", "text", first, "bogus", "label")
+    said = cb["act"]("token:abc ui 127.0.0.1", "text", first, NONE_OF_THESE, "label")
+    assert "none of these" in said
+    said = cb["act"]("token:abc ui 127.0.0.1", "text", first, "greeting", "label")
+    assert "labelled **greeting**" in said
+    audit = runtime.admin.audit_rows()
+    assert audit[0]["action"] == "hard_example_label" and audit[0]["actor"] == "token:abc ui 127.0.0.1"
+    path = Path(cb["export"]("token:abc ui 127.0.0.1", "text", "imagefolder", False))
+    with zipfile.ZipFile(path) as archive:
+        assert json.loads(archive.read("train.jsonl"))["label"] == "greeting"
+    path.unlink()
+    path.parent.rmdir()

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from admin.hard_examples_tab import make_hard_example_callbacks
 from bench.tiny_models import IMAGE_LABELS, TEXT_LABELS, make_image_model, make_text_model, write_config
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
@@ -133,6 +134,12 @@ def test_images_kept_as_png_and_exported_as_an_imagefolder(
     assert len(examples) == 3 and all(e["kind"] == "image" and e["thumbnail_png_base64"] for e in examples)
     stored = runtime.admin.hard_examples.image("photo", examples[0]["id"])
     assert stored is not None and stored.startswith(b"\x89PNG") and b"PhoneMaker" not in stored
+    console = make_hard_example_callbacks(runtime.admin)  # the console panel shows them
+    _, rows, gallery, choices = console["refresh"]("token:test ui", "photo")
+    assert len(gallery) == 3 and {r[1] for r in rows} == {"[image]"}
+    _, picture, answer, _, classes = console["show"]("token:test ui", "photo", choices["value"])
+    assert picture.size == (48, 40) and set(answer) <= set(IMAGE_LABELS)
+    assert classes["choices"] == [*IMAGE_LABELS, "none of these"]
     hard = runtime.admin.hard_examples
     hard.act("photo", examples[0]["id"], action=None, label=IMAGE_LABELS[1], actor="test")
     hard.act("photo", examples[1]["id"], action=None, label=IMAGE_LABELS[3], actor="test")
