@@ -275,6 +275,7 @@ def _hard_examples(settings: Settings, engine: InferenceEngine, l2: RedisStore |
         HardExampleStore(l2, prefix=settings.cache_prefix), size=settings.hard_examples_size,
         ttl_s=settings.hard_examples_ttl_s, max_score=settings.hard_example_max_score,
         min_margin=settings.hard_example_min_margin, models=lambda: engine.models,
+        cpu_share=settings.hard_examples_cpu_share,
     ).start()  # fmt: skip
     engine.add_answer_hook(collector.note)
     if engine.shadow is not None:

@@ -10,6 +10,13 @@ The request path (`note`, called by the engine after every answer) costs a compa
 floats, and for a kept or held input a dict update under a lock; the raw input is held by
 reference until the next flush, within `MAX_HELD` inputs and `MAX_HELD_BYTES` bytes. Later asks
 of a kept input (hits included) are counted, so the operator sees how often each was asked.
+
+Storing an image costs real CPU (a PNG of a 480x320 picture: ~12 ms here, half an image miss),
+so collection has a CPU budget: every miss adds `cpu_share` (HARD_EXAMPLES_CPU_SHARE, 1 %) of
+its forward pass's time to a credit (starting at, and capped at, `burst_s` of CPU), each flush
+spends what it measured, and while the credit is spent new hard answers are only counted
+(`over_budget`). So collection never costs more than that share of the model's time, plus the
+burst: a quiet demo keeps its first few dozen images at once, a busy one samples them.
 The owned thread flushes every `FLUSH_S`: it stores new inputs as the warm set does (text as
 typed, an image as a PNG of its decoded pixels; engine.warmup.stored_form), counts asks, and
 refreshes which ids are kept. These are users' inputs: they never reach the request log, the
@@ -36,6 +43,10 @@ FLUSH_S = 5.0
 MAX_HELD = 1_000  # new inputs held between two flushes, all tasks together
 MAX_HELD_BYTES = 64 * 1024 * 1024  # and their raw size: a burst of large uploads stays bounded
 MAX_EXAMPLE_BYTES = 8 * 1024 * 1024  # a stored input larger than this (a huge image) is not kept
+CPU_SHARE = 0.01  # of the model's forward time on misses, the most the flushes spend (credit)
+BURST_S = 1.0  # CPU seconds of credit at start and at most (the first few dozen images at once)
+# A task's CPU per stored example until a flush has measured it: a PNG of a photo, a message.
+FIRST_UNIT_COST_S = {"image": 0.02, "text": 0.0005}
 NONE_OF_THESE = "none of these"
 STATES = ("pending", "labelled", "none", "skipped")
 
@@ -67,6 +78,7 @@ class _Held:
     info: dict[str, Any]
     asked: int
     size: int
+    reserved_s: float  # CPU credit taken for storing it (its task's last cost per example)
 
 
 @dataclass
@@ -76,6 +88,7 @@ class HardExampleCounters:
     evicted: int = 0  # made room for them
     refused: int = 0  # the set was full of higher-ranked or labelled examples
     overflow: int = 0  # not held: MAX_HELD or MAX_HELD_BYTES reached before a flush
+    over_budget: int = 0  # not held: the CPU credit was spent (see the module docstring)
     too_large: int = 0  # over MAX_EXAMPLE_BYTES once stored
     flushes: int = 0
     flush_cpu_s: float = 0.0  # the flush thread's CPU time (the bench weighs it per miss)
@@ -102,6 +115,8 @@ class HardExamples:
         max_score: float,
         min_margin: float,
         models: Callable[[], Mapping[str, Classifier]],
+        cpu_share: float = CPU_SHARE,
+        burst_s: float = BURST_S,
         flush_s: float = FLUSH_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -122,6 +137,10 @@ class HardExamples:
         self._asks: dict[tuple[str, str], int] = {}  # later asks of kept inputs
         self._kept: set[tuple[str, str]] = set()
         self._counters = HardExampleCounters()
+        self._cpu_share = cpu_share
+        self._burst_s = burst_s
+        self._credit_s = burst_s  # CPU seconds the flushes may still spend
+        self._unit_cost_s: dict[str, float] = {}  # per task: the last flush's CPU per new example
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -132,6 +151,9 @@ class HardExamples:
         """One answered request (engine.service.ClassifyResult); cheap, never raises."""
         reason = None
         if result.tier == "miss":
+            # Unlocked: a lost update of the credit only shifts the budget by one miss's share.
+            earned = (result.model_ms or 0.0) * self._cpu_share / 1000
+            self._credit_s = min(self._burst_s, self._credit_s + earned)
             reason = hard_reason(result.prediction, max_score=self.max_score, min_margin=self.min_margin)
         ident = (task, _digest(result.key))
         # Lock-free first look (a hit of an input not kept is the common case): membership
@@ -157,16 +179,29 @@ class HardExamples:
         with self._lock:
             ident = (task, _digest(key))
             if ident not in self._held and ident not in self._kept:  # else kept already
-                self._hold(ident, raw, info)
+                self._hold(ident, raw, info, budgeted=False)  # rare, and worth its CPU
 
-    def _hold(self, ident: tuple[str, str], raw: Any, info: dict[str, Any]) -> None:
+    def _hold(self, ident: tuple[str, str], raw: Any, info: dict[str, Any], *, budgeted: bool = True) -> None:
         size = _size(raw)
         self._counters.candidates += 1
+        if budgeted and self._credit_s <= 0:
+            self._counters.over_budget += 1
+            return
         if len(self._held) >= MAX_HELD or self._held_bytes + size > MAX_HELD_BYTES:
             self._counters.overflow += 1
             return
-        self._held[ident] = _Held(raw, info, 1, size)
+        # Reserved now, so a burst between two flushes cannot overspend; the flush settles it.
+        reserved = self._unit_cost(ident[0]) if budgeted else 0.0
+        self._credit_s -= reserved
+        self._held[ident] = _Held(raw, info, 1, size, reserved)
         self._held_bytes += size
+
+    def _unit_cost(self, task: str) -> float:
+        cost = self._unit_cost_s.get(task)
+        if cost is None:
+            model = self._models().get(task)
+            cost = FIRST_UNIT_COST_S["image" if model is not None and takes_image(model) else "text"]
+        return cost
 
     # ---- life cycle ----------------------------------------------------------
 
@@ -208,6 +243,7 @@ class HardExamples:
         with self._lock:
             snap = asdict(self._counters)
             snap["held"], snap["held_bytes"] = len(self._held), self._held_bytes
+            snap["credit_s"] = round(self._credit_s, 6)
         return snap
 
     # ---- flush ---------------------------------------------------------------
@@ -224,17 +260,24 @@ class HardExamples:
             tasks = {task for task, _ in held} | {task for task, _ in asks}
             try:
                 for task in sorted(tasks):
+                    task_started = time.thread_time()
                     entries = self._entries(task, models.get(task), held, asks, now)
                     outcome = self.store.add(task, entries, size=self.size, ttl_s=self.ttl_s)
+                    new = sum(1 for t, _ in held if t == task)
                     with self._lock:
                         self._counters.kept += outcome.added
                         self._counters.evicted += outcome.evicted
                         self._counters.refused += outcome.refused
+                        if new:
+                            self._unit_cost_s[task] = (time.thread_time() - task_started) / new
                 self.refresh_kept(tasks or None)
             finally:
+                spent = time.thread_time() - started
+                reserved = sum(item.reserved_s for item in held.values())
                 with self._lock:
                     self._counters.flushes += 1
-                    self._counters.flush_cpu_s += time.thread_time() - started
+                    self._counters.flush_cpu_s += spent
+                    self._credit_s -= spent - reserved
 
     def _entries(self, task: str, model: Classifier | None, held: dict[tuple[str, str], _Held],
                  asks: dict[tuple[str, str], int], now: float) -> list[NewEntry]:  # fmt: skip

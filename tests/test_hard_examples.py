@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +39,8 @@ class ConfidenceModel(CountingTextModel):
     def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
         with self._lock:
             self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
         out = []
         for item in inputs:
             if item.text.startswith("sure"):
@@ -114,8 +117,10 @@ def test_a_stream_of_10000_unsure_inputs_stays_bounded(
     """Memory (held inputs) and Redis (kept inputs) bounds under 10,000 new low-confidence
     inputs; the most asked and the labelled survive, the asked-once oldest go first."""
     size = 20
-    runtime = make_runtime(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
-                           hard_examples_size=size)  # fmt: skip
+    # A forward pass of 0.2 ms, all of it credit (HARD_EXAMPLES_CPU_SHARE=1): the budget is not
+    # the subject here (see test_collection_keeps_to_its_cpu_budget).
+    runtime = make_runtime(models={"text": ConfidenceModel(delay_s=0.0002)}, redis_url=redis_server.url,
+                           hard_examples_size=size, hard_examples_cpu_share=1.0)  # fmt: skip
     engine, collector, hard = runtime.engine, collector_of(runtime), runtime.admin.hard_examples
     for text in ("favourite question", "labelled question"):
         for _ in range(5):
@@ -138,6 +143,7 @@ def test_a_stream_of_10000_unsure_inputs_stays_bounded(
     assert stream == list(range(10_000 - (size - 2), 10_000))  # the newest of the asked-once
     counters = collector.counters()
     assert counters["candidates"] >= 10_000 and counters["evicted"] >= 10_000 - size
+    assert counters["over_budget"] == counters["overflow"] == 0
     per_example = collector.store.memory_bytes("text") / size
     assert per_example < 2_000, per_example  # a short message and its answer, not a growing set
 
@@ -318,3 +324,55 @@ def test_console_callbacks_need_sign_in_label_and_export(
         assert json.loads(archive.read("train.jsonl"))["label"] == "greeting"
     path.unlink()
     path.parent.rmdir()
+
+
+class ImageStandIn:
+    """Canonicalises like every image model (engine.inputs); never asked to predict here."""
+
+    task = "image"
+    kind = "image-classification"
+
+    def canonicalize(self, raw: Any) -> Any:
+        from engine.inputs import canonicalize_image
+
+        return canonicalize_image(raw, max_bytes=10_000_000, max_pixels=10_000_000)
+
+
+def test_collection_keeps_to_its_cpu_budget(
+    redis_server: EmbeddedRedis, photo_bytes: Callable[[str], bytes]
+) -> None:
+    """Storing an image (a PNG of its pixels) costs milliseconds: the flushes spend at most
+    `cpu_share` of the misses' model time (plus the burst), and count the rest as over budget."""
+    from types import SimpleNamespace
+
+    from storage.breaker import CircuitBreaker
+    from storage.hard_example_store import HardExampleStore
+    from storage.redis_store import RedisStore
+
+    store = RedisStore(redis.Redis.from_url(redis_server.url), prefix="budget",
+                       breaker=CircuitBreaker(failure_threshold=3, reset_s=1.0))  # fmt: skip
+    collector = HardExamples(HardExampleStore(store, prefix="budget"), size=500, ttl_s=60, max_score=0.5,
+                             min_margin=0.1, models=lambda: {"image": ImageStandIn()}, cpu_share=0.01,
+                             burst_s=0.05)  # type: ignore[dict-item]  # fmt: skip
+    photo = photo_bytes("coffee.png")
+    unsure = Prediction((("cat", 0.3), ("dog", 0.2)))
+    model_s = 0.0
+    try:
+        for n in range(400):  # a hard miss of 100 ms of model time each: 1 ms of credit each
+            raw = photo + n.to_bytes(4, "big")  # distinct bytes, same pixels: the cost is the PNG
+            collector.note("image", SimpleNamespace(tier="miss", prediction=unsure, model_version="v",
+                                                    key=f"budget:image:v:0:b3{n:032x}", model_ms=100.0), raw)
+            model_s += 0.1
+            if n % 50 == 49:
+                collector.flush()
+        counters = collector.counters()
+        assert counters["over_budget"] > 0 and counters["kept"] > 0
+        assert counters["kept"] + counters["over_budget"] == counters["candidates"] == 400
+        # What the flushes spent: the share of the model's time and the burst, give or take what
+        # the first flush holds beyond them before it has measured a PNG's cost.
+        per_example = counters["flush_cpu_s"] / counters["kept"]
+        assert counters["flush_cpu_s"] <= 0.01 * model_s + 0.05 + 3 * per_example, counters
+        assert counters["kept"] <= (0.01 * model_s + 0.05) / per_example + 3
+    finally:
+        collector.close()
+        store.close()
