@@ -51,7 +51,7 @@ def collecting(runtime: Runtime, *, max_score: float, share: float, burst_s: flo
     collector = HardExamples(HardExampleStore(store, prefix=runtime.settings.cache_prefix), size=SIZE,
                              ttl_s=600, max_score=max_score, min_margin=0.1,
                              models=lambda: runtime.engine.models, cpu_share=share,
-                             burst_s=burst_s)  # fmt: skip
+                             initial_credit_s=burst_s)  # fmt: skip
     runtime.engine.add_answer_hook(collector.note)
     return collector
 

@@ -13,10 +13,11 @@ of a kept input (hits included) are counted, so the operator sees how often each
 
 Storing an image costs real CPU (a PNG of a 480x320 picture: ~12 ms here, half an image miss),
 so collection has a CPU budget: every miss adds `cpu_share` (HARD_EXAMPLES_CPU_SHARE, 2 %) of
-its forward pass's time to a credit (starting at, and capped at, `burst_s` of CPU), each flush
-spends what it measured, and while the credit is spent new hard answers are only counted
-(`over_budget`). So collection never costs more than that share of the model's time, plus the
-burst: a quiet demo keeps its first few dozen images at once, a busy one samples them.
+its forward pass's time to a credit (starting at `initial_credit_s`, 1 s of CPU, and capped at
+that), each held input reserves its task's last measured cost, each flush settles what it
+spent, and while the credit is spent new hard answers are only counted (`over_budget`). So
+collection never costs more than that share of the model's time, plus the initial second: a
+quiet demo keeps its first few dozen images at once, a busy one samples them.
 
 The owned thread flushes every `FLUSH_S`: it stores new inputs as the warm set does (text as
 typed, an image as a PNG of its decoded pixels; engine.warmup.stored_form), counts asks, and
@@ -117,7 +118,7 @@ class HardExamples:
         min_margin: float,
         models: Callable[[], Mapping[str, Classifier]],
         cpu_share: float = CPU_SHARE,
-        burst_s: float = BURST_S,
+        initial_credit_s: float = BURST_S,
         flush_s: float = FLUSH_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -139,8 +140,8 @@ class HardExamples:
         self._kept: set[tuple[str, str]] = set()
         self._counters = HardExampleCounters()
         self._cpu_share = cpu_share
-        self._burst_s = burst_s
-        self._credit_s = burst_s  # CPU seconds the flushes may still spend
+        self._credit_cap_s = max(BURST_S, initial_credit_s)  # what a quiet period can save up
+        self._credit_s = initial_credit_s  # CPU seconds the flushes may still spend
         self._unit_cost_s: dict[str, float] = {}  # per task: the last flush's CPU per new example
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -154,7 +155,7 @@ class HardExamples:
         if result.tier == "miss":
             # Unlocked: a lost update of the credit only shifts the budget by one miss's share.
             earned = (result.model_ms or 0.0) * self._cpu_share / 1000
-            self._credit_s = min(self._burst_s, self._credit_s + earned)
+            self._credit_s = min(self._credit_cap_s, self._credit_s + earned)
             reason = hard_reason(result.prediction, max_score=self.max_score, min_margin=self.min_margin)
         ident = (task, _digest(result.key))
         # Lock-free first look (a hit of an input not kept is the common case): membership

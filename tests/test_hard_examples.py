@@ -353,7 +353,7 @@ def test_collection_keeps_to_its_cpu_budget(
                        breaker=CircuitBreaker(failure_threshold=3, reset_s=1.0))  # fmt: skip
     collector = HardExamples(HardExampleStore(store, prefix="budget"), size=500, ttl_s=60, max_score=0.5,
                              min_margin=0.1, models=lambda: {"image": ImageStandIn()}, cpu_share=0.01,
-                             burst_s=0.05)  # type: ignore[dict-item]  # fmt: skip
+                             initial_credit_s=0.05)  # type: ignore[dict-item]  # fmt: skip
     photo = photo_bytes("coffee.png")
     unsure = Prediction((("cat", 0.3), ("dog", 0.2)))
     model_s = 0.0
