@@ -331,7 +331,7 @@ class Settings:
     hard_example_max_score: float = 0.5
     hard_example_min_margin: float = 0.1
     # The most the collection may spend, as a share of the model's forward time on misses.
-    hard_examples_cpu_share: float = 0.02
+    hard_examples_cpu_share: float = 0.01
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -405,5 +405,5 @@ class Settings:
             hard_examples_ttl_s=_int(env, "HARD_EXAMPLES_TTL_S", 7 * 86_400, minimum=1),
             hard_example_max_score=_rate(env, "HARD_EXAMPLE_MAX_SCORE", 0.5),
             hard_example_min_margin=_rate(env, "HARD_EXAMPLE_MIN_MARGIN", 0.1),
-            hard_examples_cpu_share=_rate(env, "HARD_EXAMPLES_CPU_SHARE", 0.02),
+            hard_examples_cpu_share=_rate(env, "HARD_EXAMPLES_CPU_SHARE", 0.01),
         )

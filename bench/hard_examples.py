@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=10, help="inputs per turn (default 10)")
     parser.add_argument("--max-score", type=float, default=1.0,
                         help="HARD_EXAMPLE_MAX_SCORE (default 1.0: every answer is hard, the worst case)")
-    parser.add_argument("--cpu-share", type=float, default=0.02, help="HARD_EXAMPLES_CPU_SHARE")
+    parser.add_argument("--cpu-share", type=float, default=0.01, help="HARD_EXAMPLES_CPU_SHARE")
     parser.add_argument("--burst-s", type=float, default=0.0,
                         help="CPU credit at start (the app's is 1 s, a one-off; 0: the steady state)")
     parser.add_argument("--backend", default="auto", help="INFERENCE_BACKEND (default auto)")

@@ -12,7 +12,7 @@ reference until the next flush, within `MAX_HELD` inputs and `MAX_HELD_BYTES` by
 of a kept input (hits included) are counted, so the operator sees how often each was asked.
 
 Storing an image costs real CPU (a PNG of a 480x320 picture: ~12 ms here, half an image miss),
-so collection has a CPU budget: every miss adds `cpu_share` (HARD_EXAMPLES_CPU_SHARE, 2 %) of
+so collection has a CPU budget: every miss adds `cpu_share` (HARD_EXAMPLES_CPU_SHARE, 1 %) of
 its forward pass's time to a credit (starting at `initial_credit_s`, 1 s of CPU, and capped at
 that), each held input reserves its task's last measured cost, each flush settles what it
 spent, and while the credit is spent new hard answers are only counted (`over_budget`). So
@@ -45,7 +45,7 @@ FLUSH_S = 5.0
 MAX_HELD = 1_000  # new inputs held between two flushes, all tasks together
 MAX_HELD_BYTES = 64 * 1024 * 1024  # and their raw size: a burst of large uploads stays bounded
 MAX_EXAMPLE_BYTES = 8 * 1024 * 1024  # a stored input larger than this (a huge image) is not kept
-CPU_SHARE = 0.02  # of the model's forward time on misses, the most the flushes spend (credit)
+CPU_SHARE = 0.01  # of the model's forward time on misses, the most the flushes spend (credit)
 BURST_S = 1.0  # CPU seconds of credit at start and at most (the first few dozen images at once)
 # A task's CPU per stored example until a flush has measured it: a PNG of a photo, a message.
 FIRST_UNIT_COST_S = {"image": 0.02, "text": 0.0005}
