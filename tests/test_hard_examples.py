@@ -208,7 +208,7 @@ def test_the_api_labels_skips_deletes_and_audits_without_inputs(
 def test_export_parquet_reads_with_datasets(
     serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
     url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
                          hard_examples_size=10, admin_token=TOKEN)  # fmt: skip
     for text in ("unsure a", "unsure b", "unsure c"):

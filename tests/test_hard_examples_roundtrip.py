@@ -114,10 +114,9 @@ def test_label_export_finetune_reload(served: tuple[str, Runtime], tmp_path: Pat
 def test_images_kept_as_png_and_exported_as_an_imagefolder(
     served: tuple[str, Runtime], tmp_path: Path
 ) -> None:
+    import datasets
     import numpy as np
     from PIL import Image
-
-    datasets = pytest.importorskip("datasets")
     url, runtime = served
     assert runtime.hard_examples is not None
     pictures = []
