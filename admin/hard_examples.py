@@ -72,7 +72,7 @@ class HardExampleAdmin:
         return {"enabled": True, "size": c.size, "ttl_s": c.ttl_s, "max_score": c.max_score,
                 "min_margin": c.min_margin, "counters": c.counters()}  # fmt: skip
 
-    def list(self, task: str | None, *, state: str = "all", thumbnails: bool = True) -> dict[str, Any]:
+    def listing(self, task: str | None, *, state: str = "all", thumbnails: bool = True) -> dict[str, Any]:
         """The kept examples of `task`: pending first, then by times asked and recency. Text
         inline; an image as a small PNG thumbnail (base64)."""
         collector = self._require(task)

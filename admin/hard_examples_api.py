@@ -52,7 +52,7 @@ def add_hard_example_routes(
         if (refused := authorize(request)) is not None:
             return refused
         try:
-            body = await asyncio.to_thread(hard.list, task, state=state)
+            body = await asyncio.to_thread(hard.listing, task, state=state)
         except InvalidInputError as exc:
             return _refused("hard-examples list", exc)
         return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")

@@ -78,7 +78,7 @@ def make_hard_example_callbacks(admin: AdminService) -> dict[str, Callable[..., 
         if not hard.enabled:
             return summary_text(hard, None), [], [], gr.update(choices=[], value=None)
         try:
-            listing = hard.list(task)
+            listing = hard.listing(task)
         except InvalidInputError as exc:
             raise _error(exc) from None
         examples = listing["examples"]
@@ -97,7 +97,7 @@ def make_hard_example_callbacks(admin: AdminService) -> dict[str, Callable[..., 
             nothing = "Nothing to label: refresh, or wait for unsure answers."
             return "", None, None, nothing, gr.update(choices=classes, value=None)
         try:
-            examples = hard.list(task, thumbnails=False)["examples"]
+            examples = hard.listing(task, thumbnails=False)["examples"]
             example = next((e for e in examples if e["id"] == ident), None)
             if example is None:
                 gone = "That example is gone (deleted, evicted or expired)."

@@ -9,7 +9,8 @@ What is kept, per task, at most `size` (storage.hard_example_store, shared by th
 The request path (`note`, called by the engine after every answer) costs a comparison of two
 floats, and for a kept or held input a dict update under a lock; the raw input is held by
 reference until the next flush, within `MAX_HELD` inputs and `MAX_HELD_BYTES` bytes. Later asks
-of a kept input (hits included) are counted, so the operator sees how often each was asked.
+of a kept input (hits included) are counted, so the operator sees how often each was asked, and
+when a model computes it again (after a reload) its answer replaces the one shown.
 
 Storing an image costs real CPU (a PNG of a 480x320 picture: ~12 ms here, half an image miss),
 so collection has a CPU budget: every miss adds `cpu_share` (HARD_EXAMPLES_CPU_SHARE, 1 %) of
@@ -137,6 +138,7 @@ class HardExamples:
         self._held: dict[tuple[str, str], _Held] = {}
         self._held_bytes = 0
         self._asks: dict[tuple[str, str], int] = {}  # later asks of kept inputs
+        self._answers: dict[tuple[str, str], dict[str, Any]] = {}  # their latest computed answers
         self._kept: set[tuple[str, str]] = set()
         self._counters = HardExampleCounters()
         self._cpu_share = cpu_share
@@ -168,6 +170,10 @@ class HardExamples:
                 held.asked += 1
             elif ident in self._kept:
                 self._asks[ident] = self._asks.get(ident, 0) + 1
+                if result.tier == "miss":  # computed again: after a reload, the new model's answer
+                    self._answers[ident] = {"labels": result.prediction.to_plain(),
+                                            "model_version": result.model_version,
+                                            "answered_at": self._clock()}  # fmt: skip
             elif reason is not None:
                 info = {"reason": reason, "labels": result.prediction.to_plain(),
                         "model_version": result.model_version, "answered_at": self._clock()}  # fmt: skip
@@ -257,13 +263,14 @@ class HardExamples:
             with self._lock:
                 held, self._held, self._held_bytes = self._held, {}, 0
                 asks, self._asks = self._asks, {}
+                answers, self._answers = self._answers, {}
             models = self._models()
             now = self._clock()
             tasks = {task for task, _ in held} | {task for task, _ in asks}
             try:
                 for task in sorted(tasks):
                     task_started = time.thread_time()
-                    entries = self._entries(task, models.get(task), held, asks, now)
+                    entries = self._entries(task, models.get(task), held, asks, answers, now)
                     outcome = self.store.add(task, entries, size=self.size, ttl_s=self.ttl_s)
                     new = sum(1 for t, _ in held if t == task)
                     with self._lock:
@@ -282,8 +289,10 @@ class HardExamples:
                     self._credit_s -= spent - reserved
 
     def _entries(self, task: str, model: Classifier | None, held: dict[tuple[str, str], _Held],
-                 asks: dict[tuple[str, str], int], now: float) -> list[NewEntry]:  # fmt: skip
-        entries = [NewEntry(d, b"", {}, n, now) for (t, d), n in asks.items() if t == task and n > 0]
+                 asks: dict[tuple[str, str], int], answers: dict[tuple[str, str], dict[str, Any]],
+                 now: float) -> list[NewEntry]:  # fmt: skip
+        entries = [NewEntry(d, b"", answers.get((t, d), {}), n, now)
+                   for (t, d), n in asks.items() if t == task and n > 0]  # fmt: skip
         if model is None:  # the task went away meanwhile
             return entries
         kind = "image" if takes_image(model) else "text"

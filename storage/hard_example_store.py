@@ -7,6 +7,7 @@ matches it) and carries the TTL `HARD_EXAMPLES_TTL_S`, refreshed at every write:
 
     {prefix}:meta:hard:{task}:inputs  hash  id -> the input (b"t" + UTF-8 text, b"i" + PNG)
     {prefix}:meta:hard:{task}:info    hash  id -> JSON: kind, reason, the model's answer, first seen
+    {prefix}:meta:hard:{task}:answer  hash  id -> JSON: the model's latest answer (after a reload)
     {prefix}:meta:hard:{task}:label   hash  id -> JSON: state, label, by, at (once an operator acted)
     {prefix}:meta:hard:{task}:asked   hash  id -> times asked (every replica adds its counts)
     {prefix}:meta:hard:{task}:seen    zset  id -> last time asked
@@ -28,16 +29,18 @@ from typing import Any
 
 from storage.redis_store import RedisStore
 
-FIELDS = ("inputs", "info", "label", "asked", "seen", "rank")
+FIELDS = ("inputs", "info", "label", "asked", "seen", "rank", "answer")
 # Times asked count in the rank up to this; then recency (a double holds asked * 1e10 + epoch
 # seconds below 2**53; at small counts to the microsecond). A newcomer wins a tie: it is newer.
 MAX_RANKED_ASKS = 900_000
 
-# KEYS: the six keys of FIELDS. ARGV: size, ttl_s, then per entry: id, input ("" for a count
-# only), info JSON, asked increment, when last asked. Returns {added, updated, evicted, refused}.
+# KEYS: the keys of FIELDS. ARGV: size, ttl_s, then per entry: id, input ("" for a kept one),
+# info JSON (for a kept one: its latest answer, or ""), asked increment, when last asked.
+# Returns {added, updated, evicted, refused}.
 _ADD_SCRIPT = """
 local size, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-local inputs, info, label, asked, seen, rank = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local inputs, info, label, asked, seen, rank, answer = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
+  KEYS[6], KEYS[7]
 local added, updated, evicted, refused = 0, 0, 0, 0
 local function score(n, state, now)
   if state == 'skipped' then n = 0 end
@@ -57,6 +60,7 @@ for i = 3, #ARGV, 5 do
     if redis.call('ZSCORE', rank, id) then
       redis.call('ZADD', rank, score(n, state_of(id), now), id)
     end
+    if meta ~= '' then redis.call('HSET', answer, id, meta) end
     updated = updated + 1
   elseif input ~= '' then
     local mine = score(inc, 'pending', now)
@@ -69,6 +73,7 @@ for i = 3, #ARGV, 5 do
         redis.call('HDEL', info, victim)
         redis.call('HDEL', label, victim)
         redis.call('HDEL', asked, victim)
+        redis.call('HDEL', answer, victim)
         redis.call('ZREM', seen, victim)
         redis.call('ZREM', rank, victim)
         evicted = evicted + 1
@@ -91,7 +96,7 @@ for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
 return {added, updated, evicted, refused}
 """
 
-# KEYS: the six keys. ARGV: id, label JSON, state, now. Returns 0 when the id is not kept.
+# KEYS: the keys of FIELDS. ARGV: id, label JSON, state, now. Returns 0 when the id is not kept.
 _LABEL_SCRIPT = """
 local id, record, state, now = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 if redis.call('HEXISTS', KEYS[2], id) == 0 then return 0 end
@@ -148,7 +153,7 @@ class HardExampleStore:
             return AddOutcome()
         args: list[Any] = [size, int(ttl_s)]
         for entry in entries:
-            info = json.dumps(entry.info, separators=(",", ":"))
+            info = json.dumps(entry.info, separators=(",", ":")) if entry.info else ""
             args += [entry.id, entry.stored, info, int(entry.asked), entry.at]
         keys = self._keys(task)
         reply = self._run(task, lambda client: client.eval(_ADD_SCRIPT, len(keys), *keys, *args))
@@ -167,15 +172,17 @@ class HardExampleStore:
             pipe.hgetall(self.key(task, "label"))
             pipe.hgetall(self.key(task, "asked"))
             pipe.zrange(self.key(task, "seen"), 0, -1, withscores=True)
+            pipe.hgetall(self.key(task, "answer"))
             return pipe.execute()
 
-        infos, labels, asked, seen = self._run(task, read)
+        infos, labels, asked, seen, answers = self._run(task, read)
         last = {member.decode(): score for member, score in seen}
         out = []
         for raw_id, raw_info in infos.items():
             ident = raw_id.decode()
             label = json.loads(labels[raw_id]) if raw_id in labels else {"state": "pending"}
-            out.append({**json.loads(raw_info), "id": ident, "asked": int(asked.get(raw_id, 0)),
+            latest = json.loads(answers[raw_id]) if raw_id in answers else {}
+            out.append({**json.loads(raw_info), **latest, "id": ident, "asked": int(asked.get(raw_id, 0)),
                         "last_seen": last.get(ident), **label})  # fmt: skip
         return out
 
@@ -197,7 +204,7 @@ class HardExampleStore:
         def remove(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=True)
             pipe.hdel(self.key(task, "info"), ident)
-            for name in ("inputs", "label", "asked"):
+            for name in ("inputs", "label", "asked", "answer"):
                 pipe.hdel(self.key(task, name), ident)
             for name in ("seen", "rank"):
                 pipe.zrem(self.key(task, name), ident)

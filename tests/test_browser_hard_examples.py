@@ -66,6 +66,6 @@ def test_label_and_export_in_the_console(console: tuple[Page, list[str], Runtime
     page.locator("#admin-hard-text-export").click()
     link = page.locator("#admin-hard-text-file a")
     expect(link).to_have_attribute("href", re.compile(r"/hard-examples-text\.parquet$"))
-    labelled = runtime.admin.hard_examples.list("text", state="labelled")["examples"]
+    labelled = runtime.admin.hard_examples.listing("text", state="labelled")["examples"]
     assert [(e["text"], e["label"]) for e in labelled] == [("unsure message two", "delivery")]
     assert_no_page_errors(errors)

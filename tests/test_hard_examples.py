@@ -59,7 +59,7 @@ def collector_of(runtime: Runtime) -> HardExamples:
 
 
 def by_text(runtime: Runtime, task: str = "text") -> dict[str, dict[str, Any]]:
-    listing = runtime.admin.hard_examples.list(task)
+    listing = runtime.admin.hard_examples.listing(task)
     return {example["text"]: example for example in listing["examples"]}
 
 
@@ -215,7 +215,7 @@ def test_export_parquet_reads_with_datasets(
         runtime.engine.classify("text", text)
     runtime.engine.classify("text", "unsure a")
     collector_of(runtime).flush()
-    ids = {e["text"]: e["id"] for e in runtime.admin.hard_examples.list("text")["examples"]}
+    ids = {e["text"]: e["id"] for e in runtime.admin.hard_examples.listing("text")["examples"]}
     hard = runtime.admin.hard_examples
     hard.act("text", ids["unsure a"], action=None, label="greeting", actor="test")
     hard.act("text", ids["unsure b"], action="none", label=None, actor="test")
@@ -303,7 +303,7 @@ def test_console_callbacks_need_sign_in_label_and_export(
     summary, rows, gallery, choices = cb["refresh"]("token:abc ui 127.0.0.1", "text")
     assert "**2/5 kept** (2 pending)" in summary and gallery == []
     assert [r[1] for r in rows] == ["unsure two", "unsure one"]  # the most asked first
-    assert rows == example_rows(runtime.admin.hard_examples.list("text")["examples"])
+    assert rows == example_rows(runtime.admin.hard_examples.listing("text")["examples"])
     first = choices["value"]
     text, picture, answer, details, classes = cb["show"]("token:abc ui 127.0.0.1", "text", first)
     assert text == "unsure two" and picture is None and answer == {"refund": 0.4, "delivery": 0.35,

@@ -109,6 +109,11 @@ def test_label_export_finetune_reload(served: tuple[str, Runtime], tmp_path: Pat
         label, info = infer(url, "sentiment", text)
         assert info["model_version"] == reload.json()["version"]
         assert label == wanted[text], (text, label, wanted[text])
+    runtime.hard_examples.flush()  # the console now shows the new model's answer beside the label
+    after = {e["text"]: e for e in runtime.admin.hard_examples.listing("sentiment")["examples"]}
+    assert {t: (e["labels"][0][0], e["label"], e["model_version"]) for t, e in after.items()} == {
+        t: (wanted[t], wanted[t], reload.json()["version"]) for t in MESSAGES}
+    assert all(e["asked"] == 2 and e["state"] == "labelled" for e in after.values())
 
 
 def test_images_kept_as_png_and_exported_as_an_imagefolder(
@@ -129,7 +134,7 @@ def test_images_kept_as_png_and_exported_as_an_imagefolder(
         pictures.append(out.getvalue())
         assert runtime.engine.classify("photo", out.getvalue()).tier == "miss"
     runtime.hard_examples.flush()
-    examples = runtime.admin.hard_examples.list("photo")["examples"]
+    examples = runtime.admin.hard_examples.listing("photo")["examples"]
     assert len(examples) == 3 and all(e["kind"] == "image" and e["thumbnail_png_base64"] for e in examples)
     stored = runtime.admin.hard_examples.image("photo", examples[0]["id"])
     assert stored is not None and stored.startswith(b"\x89PNG") and b"PhoneMaker" not in stored
