@@ -376,3 +376,29 @@ def test_collection_keeps_to_its_cpu_budget(
     finally:
         collector.close()
         store.close()
+
+
+def test_replicas_share_one_bounded_set(
+    make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis
+) -> None:
+    """Two replicas on one Redis: one set per task, asks counted wherever they land, the bound
+    held with both adding, an operator's label given on one seen on the other."""
+    a, b = (make_runtime(models={"text": ConfidenceModel()}, redis_url=redis_server.url, hard_examples_size=3,
+                         replica_id=name) for name in ("A", "B"))  # fmt: skip
+    a.engine.classify("text", "unsure shared question")
+    collector_of(a).flush()
+    collector_of(b).flush()  # B learns what the fleet keeps
+    assert b.engine.classify("text", "unsure shared question").tier == "l2"  # computed by A
+    collector_of(b).flush()
+    assert by_text(a)["unsure shared question"]["asked"] == 2
+    ident = by_text(b)["unsure shared question"]["id"]
+    b.admin.hard_examples.act("text", ident, action=None, label="greeting", actor="B's operator")
+    for n in range(5):
+        a.engine.classify("text", f"unsure from A {n}")
+        b.engine.classify("text", f"unsure from B {n}")
+    collector_of(a).flush()
+    collector_of(b).flush()
+    kept = by_text(a)
+    assert len(kept) == 3 and kept["unsure shared question"]["label"] == "greeting"
+    # The two newest across the fleet (each ranked by when it was asked, not by which flush came last).
+    assert set(kept) == {"unsure shared question", "unsure from A 4", "unsure from B 4"}
