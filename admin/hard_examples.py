@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 ACTIONS = ("label", "none", "skip", "delete")
 FORMATS = ("parquet", "imagefolder")
 THUMBNAIL_PX = 96
+DEFAULT_LIMIT = 100  # examples per listing (an image's thumbnail is decoded for each)
+MAX_LIMIT = 1000
 Audit = Callable[[str, dict[str, Any], dict[str, Any], str], None]
 
 
@@ -72,18 +74,23 @@ class HardExampleAdmin:
         return {"enabled": True, "size": c.size, "ttl_s": c.ttl_s, "max_score": c.max_score,
                 "min_margin": c.min_margin, "counters": c.counters()}  # fmt: skip
 
-    def listing(self, task: str | None, *, state: str = "all", thumbnails: bool = True) -> dict[str, Any]:
-        """The kept examples of `task`: pending first, then by times asked and recency. Text
-        inline; an image as a small PNG thumbnail (base64)."""
+    def listing(self, task: str | None, *, state: str = "all", limit: int = DEFAULT_LIMIT,
+                thumbnails: bool = True) -> dict[str, Any]:  # fmt: skip
+        """The kept examples of `task` in `state` (`total` of them): pending first, then by times
+        asked and recency, the first `limit`. Text inline; an image as a PNG thumbnail (base64)."""
         collector = self._require(task)
         if state != "all" and state not in STATES:
             raise InvalidInputError("bad_state", f"state must be 'all' or one of {', '.join(STATES)}")
+        if not 1 <= limit <= MAX_LIMIT:
+            raise InvalidInputError("bad_limit", f"limit must be between 1 and {MAX_LIMIT}")
         assert task is not None
         try:
             records = collector.store.records(task)
             if state != "all":
                 records = [r for r in records if r["state"] == state]
+            total = len(records)
             records.sort(key=lambda r: (r["state"] != "pending", -r["asked"], -(r["last_seen"] or 0)))
+            records = records[:limit]
             inputs = collector.store.inputs(task, [r["id"] for r in records])
         except CacheUnavailableError as exc:
             raise _unavailable(exc) from None
@@ -94,11 +101,14 @@ class HardExampleAdmin:
             elif value[:1] == b"i" and thumbnails:
                 record["thumbnail_png_base64"] = base64.b64encode(_thumbnail(value[1:])).decode()
         return {"task": task, "classes": self.classes(task), "none_label": NONE_OF_THESE,
-                "size": collector.size, "examples": records}  # fmt: skip
+                "size": collector.size, "total": total, "examples": records}  # fmt: skip
 
     def image(self, task: str, ident: str) -> bytes | None:
         """The whole PNG of one kept image (the console shows it while labelling)."""
-        value = self._require(task).store.inputs(task, [ident]).get(ident, b"")
+        try:
+            value = self._require(task).store.inputs(task, [ident]).get(ident, b"")
+        except CacheUnavailableError as exc:
+            raise _unavailable(exc) from None
         return value[1:] if value[:1] == b"i" else None
 
     def act(self, task: str | None, ident: str, *, action: str | None, label: str | None,
@@ -108,7 +118,8 @@ class HardExampleAdmin:
         collector = self._require(task)
         assert task is not None
         if not DIGEST_PATTERN.match(ident or ""):
-            raise InvalidInputError("unknown_example", f"No hard example {ident!r} (ids are key digests).")
+            shown = ident[:80] if isinstance(ident, str) else ident
+            raise InvalidInputError("unknown_example", f"No hard example {shown!r} (ids are key digests).")
         action = action or ("none" if label == NONE_OF_THESE else "label")
         if action not in ACTIONS:
             raise InvalidInputError("bad_action", f"action must be one of {', '.join(ACTIONS)}")
@@ -118,8 +129,9 @@ class HardExampleAdmin:
                 action = "none"
             elif not isinstance(label, str) or not label or (classes and label not in classes):
                 shown = ", ".join(classes[:20]) + (" …" if len(classes) > 20 else "")
+                got = label[:80] if isinstance(label, str) else label
                 raise InvalidInputError("bad_label", f"label must be one of the model's classes ({shown}) "
-                                                     f"or {NONE_OF_THESE!r}; got {label!r}")  # fmt: skip
+                                                     f"or {NONE_OF_THESE!r}; got {got!r}")  # fmt: skip
         now = self._clock()
         params = {"task": task, "id": ident, "action": action}
         if action == "label":

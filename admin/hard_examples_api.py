@@ -1,6 +1,6 @@
 """The hard examples' JSON API (admin.hard_examples), added to the admin router:
 
-    GET  /admin/api/hard-examples?task=<task>[&state=all|pending|labelled|none|skipped]
+    GET  /admin/api/hard-examples?task=<task>[&state=all|pending|labelled|none|skipped][&limit=100]
     POST /admin/api/hard-examples/{id}/label   {"task": ..., "label": "<class>" | "none of these"}
                                                or {"task": ..., "action": "skip" | "delete"}
     GET  /admin/api/hard-examples/export?task=<task>&format=parquet|imagefolder[&include=labelled|all]
@@ -47,12 +47,15 @@ def add_hard_example_routes(
     json_body: Callable[[Request], Awaitable[dict[str, Any]]],
 ) -> None:
     @router.get("/admin/api/hard-examples")
-    async def hard_examples(request: Request, task: str | None = None, state: str = "all") -> Response:
+    async def hard_examples(request: Request, task: str | None = None, state: str = "all",
+                            limit: str = "100") -> Response:  # fmt: skip
         """The kept examples of a task with the model's answer, times asked and the label."""
         if (refused := authorize(request)) is not None:
             return refused
         try:
-            body = await asyncio.to_thread(hard.listing, task, state=state)
+            if not limit.isdigit() or len(limit) > 6:
+                raise InvalidInputError("bad_limit", "limit must be a whole number")
+            body = await asyncio.to_thread(hard.listing, task, state=state, limit=int(limit))
         except InvalidInputError as exc:
             return _refused("hard-examples list", exc)
         return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")

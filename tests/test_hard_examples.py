@@ -180,6 +180,11 @@ def test_the_api_labels_skips_deletes_and_audits_without_inputs(
     assert label(ids[secret], action="explode").status_code == 400
     assert httpx.get(api, params={"task": "nope"}, headers=AUTH).status_code == 404
     assert httpx.get(api, params={"task": "text", "state": "odd"}, headers=AUTH).status_code == 400
+    for limit in ("0", "-1", "ten", "9" * 5000):
+        refused = httpx.get(api, params={"task": "text", "limit": limit}, headers=AUTH)
+        assert refused.status_code == 400 and "limit" in refused.json()["error"]
+    first = httpx.get(api, params={"task": "text", "limit": "1"}, headers=AUTH).json()
+    assert first["total"] == 3 and len(first["examples"]) == 1
 
     done = label(ids[secret], label="refund")
     assert done.status_code == 200 and done.json()["by"].startswith("token:")
