@@ -407,3 +407,45 @@ def test_replicas_share_one_bounded_set(
     assert len(kept) == 3 and kept["unsure shared question"]["label"] == "greeting"
     # The two newest across the fleet (each ranked by when it was asked, not by which flush came last).
     assert set(kept) == {"unsure shared question", "unsure from A 4", "unsure from B 4"}
+
+
+def test_the_schema_of_the_hard_example_routes_fuzzed(
+    serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis
+) -> None:
+    """schemathesis on the three routes with collection on and examples kept: any query, path
+    and body gets an answer or a clear 4xx, never a 5xx, with or without the token."""
+    import schemathesis
+    from hypothesis import given
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    from tests.test_fuzz_rest import SCHEMA_EXAMPLES, fuzz
+
+    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
+                         hard_examples_size=5, admin_token=TOKEN)  # fmt: skip
+    for text in ("unsure one", "unsure two"):
+        runtime.engine.classify("text", text)
+    collector_of(runtime).flush()
+    schema = schemathesis.openapi.from_url(url + "/openapi.json").include(path_regex=r"^/admin/api/hard-ex")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) == 3
+    def run(operation: Any, mode: Any, headers: dict[str, str]) -> None:
+        @fuzz(SCHEMA_EXAMPLES, over_http=True)
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def call(case: Any) -> None:
+            response = case.call(headers=headers, timeout=30)
+            assert response.status_code < 500, (response.status_code, response.text[:300])
+            if not headers:
+                assert response.status_code in (401, 429)
+            elif response.status_code >= 400 and response.status_code != 429:
+                assert "Traceback" not in response.json()["error"]
+
+        try:
+            call()
+        except Unsatisfiable:  # a negative case of an operation with nothing to get wrong
+            assert mode is GenerationMode.NEGATIVE
+
+    for headers in (AUTH, {}):
+        for operation in operations:
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                run(operation, mode, headers)
