@@ -86,6 +86,7 @@ class HardExampleAdmin:
         assert task is not None
         try:
             records = collector.store.records(task)
+            states = {name: sum(1 for r in records if r["state"] == name) for name in STATES}
             if state != "all":
                 records = [r for r in records if r["state"] == state]
             total = len(records)
@@ -101,7 +102,7 @@ class HardExampleAdmin:
             elif value[:1] == b"i" and thumbnails:
                 record["thumbnail_png_base64"] = base64.b64encode(_thumbnail(value[1:])).decode()
         return {"task": task, "classes": self.classes(task), "none_label": NONE_OF_THESE,
-                "size": collector.size, "total": total, "examples": records}  # fmt: skip
+                "size": collector.size, "states": states, "total": total, "examples": records}  # fmt: skip
 
     def image(self, task: str, ident: str) -> bytes | None:
         """The whole PNG of one kept image (the console shows it while labelling)."""

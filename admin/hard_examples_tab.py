@@ -60,13 +60,12 @@ def summary_text(hard: HardExampleAdmin, listing: dict[str, Any] | None) -> str:
                 "to collect the answers the model was unsure of, label them here and export a data set.")
     if listing is None:
         return ""
-    states: dict[str, int] = {}
-    for e in listing["examples"]:
-        states[e["state"]] = states.get(e["state"], 0) + 1
-    counts = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none yet"
-    return (f"**{len(listing['examples'])}/{info['size']} kept** ({counts}) · top score below "
+    counts = ", ".join(f"{n} {state}" for state, n in listing["states"].items() if n) or "none yet"
+    seen = info["counters"]
+    return (f"**{sum(listing['states'].values())}/{info['size']} kept** ({counts}) · top score below "
             f"{info['max_score']} or margin below {info['min_margin']} · kept "
-            f"{info['ttl_s'] / 86400:g} days after the last addition")
+            f"{info['ttl_s'] / 86400:g} days after the last addition · this replica: "
+            f"{seen['candidates']:,} hard answers, {seen['over_budget']:,} over the CPU budget")
 
 
 def make_hard_example_callbacks(admin: AdminService) -> dict[str, Callable[..., Any]]:
