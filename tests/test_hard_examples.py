@@ -23,6 +23,7 @@ from runtime import Runtime
 from settings import Settings, SettingsError
 from storage.embedded_redis import EmbeddedRedis
 from tests.conftest import CountingTextModel
+from tests.test_warmup import ImageStandIn
 
 pytestmark = pytest.mark.redis
 TOKEN = "hard-examples-operator-token"
@@ -329,18 +330,6 @@ def test_console_callbacks_need_sign_in_label_and_export(
         assert json.loads(archive.read("train.jsonl"))["label"] == "greeting"
     path.unlink()
     path.parent.rmdir()
-
-
-class ImageStandIn:
-    """Canonicalises like every image model (engine.inputs); never asked to predict here."""
-
-    task = "image"
-    kind = "image-classification"
-
-    def canonicalize(self, raw: Any) -> Any:
-        from engine.inputs import canonicalize_image
-
-        return canonicalize_image(raw, max_bytes=10_000_000, max_pixels=10_000_000)
 
 
 def test_collection_keeps_to_its_cpu_budget(
