@@ -20,6 +20,7 @@ from engine.fairness import MissBudget
 from engine.fleet import FleetMember
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
+from engine.hard_examples import HardExamples
 from engine.l1_gate import GatedMemoryStore, GenerationConfirmations
 from engine.lifecycle import ModelLifecycle
 from engine.models.base import Classifier
@@ -33,6 +34,7 @@ from storage.breaker import CircuitBreaker
 from storage.client_buckets import RedisBuckets
 from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 from storage.errors import CacheUnavailableError
+from storage.hard_example_store import HardExampleStore
 from storage.log_writer import RequestLogWriter
 from storage.memory import MemoryStore
 from storage.redis_clients import make_nodes
@@ -83,6 +85,7 @@ class Runtime:
     warm_set: WarmSet | None = None  # WARM_SET_SIZE > 0 with Redis: warm-up (engine.warmup)
     torch_threads: TorchThreads | None = None  # torch's pool for the models served (onnx_backend)
     client_activity: ClientActivity | None = None  # the console's Busiest clients (admin.clients)
+    hard_examples: HardExamples | None = None  # HARD_EXAMPLES_SIZE > 0 with Redis (engine.hard_examples)
 
     def close(self) -> None:
         self._stack.close()
@@ -191,6 +194,9 @@ def build_runtime(
         warm_set = _warm_set(settings, engine, l2)
         if warm_set is not None:
             stack.callback(warm_set.close)  # stops before the engine and the store it uses
+        hard_examples = _hard_examples(settings, engine, l2)
+        if hard_examples is not None:
+            stack.callback(hard_examples.close)  # its last flush before the store closes
         torch_threads = TorchThreads()
         torch_threads.apply(loaded.values())
         stack.callback(torch_threads.restore)
@@ -237,12 +243,13 @@ def build_runtime(
         engine.add_listener(client_activity.observe)
         metrics.registry.register(FairnessCollector(engine, client_activity))
         admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet,
-                             lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set)  # fmt: skip
+                             lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set,
+                             hard_examples=hard_examples)  # fmt: skip
         auth = AdminAuth(settings.admin_token or _generated_token())
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
             log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle, warm_set=warm_set,
-            torch_threads=torch_threads, client_activity=client_activity,
+            torch_threads=torch_threads, client_activity=client_activity, hard_examples=hard_examples,
         )  # fmt: skip
     except BaseException:
         stack.close()
@@ -270,6 +277,27 @@ def _warm_set(settings: Settings, engine: InferenceEngine, l2: RedisStore | None
                        ttl_s=settings.warm_set_ttl_s, engine=engine).start()  # fmt: skip
     engine.attach_warm_set(warm_set)
     return warm_set
+
+
+def _hard_examples(settings: Settings, engine: InferenceEngine, l2: RedisStore | None) -> HardExamples | None:
+    """HARD_EXAMPLES_SIZE > 0: inputs the model was unsure of kept in Redis for an operator to
+    label. Closed (registered by the caller's stack) before the engine and the store."""
+    if settings.hard_examples_size <= 0:
+        return None
+    if l2 is None:
+        log.warning("HARD_EXAMPLES_SIZE=%s needs Redis (L2 is off): no hard examples",
+                    settings.hard_examples_size)  # fmt: skip
+        return None
+    collector = HardExamples(
+        HardExampleStore(l2, prefix=settings.cache_prefix), size=settings.hard_examples_size,
+        ttl_s=settings.hard_examples_ttl_s, max_score=settings.hard_example_max_score,
+        min_margin=settings.hard_example_min_margin, models=lambda: engine.models,
+        cpu_share=settings.hard_examples_cpu_share,
+    ).start()  # fmt: skip
+    engine.add_answer_hook(collector.note)
+    if engine.shadow is not None:
+        engine.shadow.add_mismatch_listener(collector.note_disagreement)
+    return collector
 
 
 def _resolve_l2(settings: Settings, stack: ExitStack) -> tuple[str | None, str | None]:

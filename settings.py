@@ -336,6 +336,15 @@ class Settings:
     client_miss_burst: int = CLIENT_MISS_BURST
     # Peers whose X-Forwarded-For names the client (uvicorn's setting and default); "*": any.
     forwarded_allow_ips: str = FORWARDED_ALLOW_IPS
+    # Hard examples (engine.hard_examples): inputs per task the model was unsure of (top score
+    # below HARD_EXAMPLE_MAX_SCORE or top-two margin below HARD_EXAMPLE_MIN_MARGIN, or shadow
+    # verification disagreed), kept in Redis for HARD_EXAMPLES_TTL_S to be labelled; 0: off.
+    hard_examples_size: int = 0
+    hard_examples_ttl_s: int = 7 * 86_400
+    hard_example_max_score: float = 0.5
+    hard_example_min_margin: float = 0.1
+    # The most the collection may spend, as a share of the model's forward time on misses.
+    hard_examples_cpu_share: float = 0.01
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -408,4 +417,9 @@ class Settings:
             client_miss_rate=_float(env, "CLIENT_MISS_RATE", CLIENT_MISS_RATE, minimum=0.0),
             client_miss_burst=_int(env, "CLIENT_MISS_BURST", CLIENT_MISS_BURST, minimum=1),
             forwarded_allow_ips=env.get("FORWARDED_ALLOW_IPS", "").strip() or FORWARDED_ALLOW_IPS,
+            hard_examples_size=_int(env, "HARD_EXAMPLES_SIZE", 0, minimum=0),
+            hard_examples_ttl_s=_int(env, "HARD_EXAMPLES_TTL_S", 7 * 86_400, minimum=1),
+            hard_example_max_score=_rate(env, "HARD_EXAMPLE_MAX_SCORE", 0.5),
+            hard_example_min_margin=_rate(env, "HARD_EXAMPLE_MIN_MARGIN", 0.1),
+            hard_examples_cpu_share=_rate(env, "HARD_EXAMPLES_CPU_SHARE", 0.01),
         )

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from admin.auth import AdminAuth, AuthOutcome, bearer_token
+from admin.hard_examples_api import add_hard_example_routes
 from admin.metrics import Metrics
 from admin.service import AdminService, FleetUnavailableError, LogUnavailableError
 from admin.trust import entry_input
@@ -231,4 +232,6 @@ def build_router(
     async def admin_evict(request: Request) -> JSONResponse:
         return await entry_call(request, "evict")
 
+    add_hard_example_routes(router, admin.hard_examples, authorize=authorize, actor=actor,
+                            json_body=json_body)  # fmt: skip
     return router

@@ -12,10 +12,12 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from admin import stats
+from admin.hard_examples import HardExampleAdmin
 from admin.trust import shadow_report
 from engine.cleanup import Cleanup
 from engine.errors import CacheUnavailableError, InvalidInputError, ModelLoadError
 from engine.fleet import FleetAck, FleetMember
+from engine.hard_examples import HardExamples
 from engine.lifecycle import ModelLifecycle, ReloadBusyError
 from engine.models.base import model_state
 from engine.service import InferenceEngine, RequestRecord
@@ -54,7 +56,11 @@ class AdminService:
         lifecycle: ModelLifecycle | None = None,
         cleanup: Cleanup | None = None,
         warm_set: WarmSet | None = None,
+        hard_examples: HardExamples | None = None,
     ) -> None:
+        # Hard examples to label and export (admin.hard_examples); its calls say when it is off.
+        self.hard_examples = HardExampleAdmin(collector=hard_examples, engine=engine, audit=self._audit,
+                                              clock=clock)  # fmt: skip
         self._warm_set = warm_set  # warm-up after a swap or a bump (engine.warmup); None: off
         self._cleanup = cleanup  # old versions in L2 (engine.cleanup)
         self._lifecycle = lifecycle  # live model reloads (engine.lifecycle)

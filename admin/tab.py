@@ -14,6 +14,7 @@ from admin.auth import AdminAuth, AuthOutcome
 from admin.charts import all_figures
 from admin.clients import ClientActivity
 from admin.clients_tab import build_clients_panel
+from admin.hard_examples_tab import build_hard_examples_panel
 from admin.models_tab import build_models_panel
 from admin.replicas_tab import build_replicas_panel, fleet_line
 from admin.service import WINDOWS_S, AdminService, LogUnavailableError
@@ -188,6 +189,7 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth, clients: ClientActivit
                 clients_after = build_clients_panel(clients, session, window, refreshes)
             build_trust_panel(admin, session)
             build_models_panel(admin, session)
+            build_hard_examples_panel(admin, session)
 
         refresh_outputs = [cards, hit_plot, tier_plot, latency_plot, hot_plot, state_json, audit]
         sign_in_event = gr.on(

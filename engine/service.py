@@ -99,6 +99,7 @@ class InferenceEngine:
         self._fleet_flight = fleet_flight
         self._fleet: Any = None  # engine.fleet.FleetMember, attached by the composition root
         self._warm_set: Any = None  # engine.warmup.WarmSet (WARM_SET_SIZE > 0): counts hits per key
+        self._answer_hooks: list[Callable[[str, ClassifyResult, Any], None]] = []  # add_answer_hook
         self._codec = codec or ValueCodec()  # unsigned (checksum) unless given signing keys
         # A miss's way to the model: batched or in a pass slot, waiting misses round-robin
         # across clients, each client's misses within its budget (engine.passes, engine.fairness).
@@ -218,6 +219,8 @@ class InferenceEngine:
         self._events.answered(task, result, route, client)
         if self._warm_set is not None:
             self._warm_set.note(task, result.key, raw)
+        for hook in self._answer_hooks:
+            hook(task, result, raw)
         return result
 
     def warm(self, task: str, raw: Any) -> str:
@@ -246,6 +249,11 @@ class InferenceEngine:
         """engine.warmup.WarmSet: every answered request is noted (its key and raw input)."""
         self._warm_set = warm_set
 
+    def add_answer_hook(self, hook: Callable[[str, ClassifyResult, Any], None]) -> None:
+        """`hook(task, result, raw)` after every answered request (engine.hard_examples); it must
+        be cheap and never raise: it runs on the request path."""
+        self._answer_hooks.append(hook)
+
     def classify_from_memory(
         self, task: str, raw: Any, *, route: str, client: str | None = None
     ) -> ClassifyResult | None:
@@ -266,6 +274,8 @@ class InferenceEngine:
         self._events.answered(task, result, route, client)
         if self._warm_set is not None:
             self._warm_set.note(task, result.key, raw)
+        for hook in self._answer_hooks:
+            hook(task, result, raw)
         return result
 
     def close(self) -> None:

@@ -120,6 +120,7 @@ class ShadowVerifier:
         self._stop = threading.Event()
         self._processed = 0  # samples taken off the queue and checked or dropped
         self._done = threading.Condition(self._lock)  # tests and the fault suite wait on it
+        self._mismatch_listeners: list[Callable[..., Any]] = []  # add_mismatch_listener
 
     # ---- request path -------------------------------------------------------
 
@@ -130,6 +131,11 @@ class ShadowVerifier:
             self._queue.put_nowait(_Sample(task, key, cached, raw, canonical))
         except queue.Full:
             self._count_dropped()
+
+    def add_mismatch_listener(self, listener: Callable[..., Any]) -> None:
+        """`listener(task, key, raw, cached=Prediction, fresh=Prediction, version=str)` after each
+        mismatch, in the verifier's thread (engine.hard_examples keeps the input)."""
+        self._mismatch_listeners.append(listener)
 
     # ---- lifecycle ----------------------------------------------------------
 
@@ -221,6 +227,12 @@ class ShadowVerifier:
                 "evicted=%s", mismatch.key, mismatch.cached, mismatch.cached_version, mismatch.fresh,
                 mismatch.fresh_version, evicted,
             )  # fmt: skip
+            for listener in self._mismatch_listeners:
+                try:
+                    listener(sample.task, sample.key, sample.raw, cached=sample.cached.prediction,
+                             fresh=fresh, version=model.version)  # fmt: skip
+                except Exception:  # the check itself stands; a listener's failure is only logged
+                    log.exception("shadow mismatch listener failed")
         with self._lock:
             self._stats.checks[sample.task] = self._stats.checks.get(sample.task, 0) + 1
             if mismatch is not None:

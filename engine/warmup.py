@@ -81,6 +81,22 @@ def _digest(key: str) -> str:
     return key.rsplit(":", 1)[-1]
 
 
+def stored_form(model: Classifier, raw: Any) -> bytes | None:
+    """What is kept of a user's input (here and by engine.hard_examples): text as typed, b"t" +
+    UTF-8; an image as b"i" + a PNG of its canonical pixels (EXIF and metadata gone)."""
+    if takes_image(model):
+        try:
+            pixels = model.canonicalize(raw).pixels
+        except (InvalidInputError, AttributeError):
+            return None
+        out = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(pixels), "RGB").save(out, format="PNG", compress_level=1)
+        return b"i" + out.getvalue()
+    if isinstance(raw, str):
+        return b"t" + raw.encode("utf-8", "surrogatepass")
+    return None
+
+
 class WarmSet:
     """Owns one daemon thread (start/close): flushes counts and runs warm-ups."""
 
@@ -273,20 +289,7 @@ class WarmSet:
             self._hot = {ident for ident in self._hot if ident[0] != task} | {(task, d) for d in top}
             self._kept = {ident for ident in self._kept if ident[0] != task} | {(task, d) for d in kept}
 
-    @staticmethod
-    def _stored_form(model: Classifier, raw: Any) -> bytes | None:
-        """What is kept for an input: text as typed; an image as a PNG of its canonical pixels."""
-        if takes_image(model):
-            try:
-                pixels = model.canonicalize(raw).pixels
-            except (InvalidInputError, AttributeError):
-                return None
-            out = io.BytesIO()
-            Image.fromarray(np.ascontiguousarray(pixels), "RGB").save(out, format="PNG", compress_level=1)
-            return b"i" + out.getvalue()
-        if isinstance(raw, str):
-            return b"t" + raw.encode("utf-8", "surrogatepass")
-        return None
+    _stored_form = staticmethod(stored_form)
 
     @staticmethod
     def _replayed(value: bytes) -> Any:
