@@ -98,7 +98,6 @@ class InferenceEngine:
         # Across replicas, a miss takes a Redis lease first (engine.fleet_flight).
         self._fleet_flight = fleet_flight
         self._fleet: Any = None  # engine.fleet.FleetMember, attached by the composition root
-        self._warm_set: Any = None  # engine.warmup.WarmSet (WARM_SET_SIZE > 0): counts hits per key
         self._answer_hooks: list[Callable[[str, ClassifyResult, Any], None]] = []  # add_answer_hook
         self._codec = codec or ValueCodec()  # unsigned (checksum) unless given signing keys
         # A miss's way to the model: batched or in a pass slot, waiting misses round-robin
@@ -216,11 +215,7 @@ class InferenceEngine:
             due = self._writes.leave()
             if due:
                 self._send_writes(due, budget)
-        self._events.answered(task, result, route, client)
-        if self._warm_set is not None:
-            self._warm_set.note(task, result.key, raw)
-        for hook in self._answer_hooks:
-            hook(task, result, raw)
+        self._answered(task, result, raw, route, client)
         return result
 
     def warm(self, task: str, raw: Any) -> str:
@@ -247,7 +242,7 @@ class InferenceEngine:
 
     def attach_warm_set(self, warm_set: Any) -> None:
         """engine.warmup.WarmSet: every answered request is noted (its key and raw input)."""
-        self._warm_set = warm_set
+        self.add_answer_hook(lambda task, result, raw: warm_set.note(task, result.key, raw))
 
     def add_answer_hook(self, hook: Callable[[str, ClassifyResult, Any], None]) -> None:
         """`hook(task, result, raw)` after every answered request (engine.hard_examples); it must
@@ -271,11 +266,7 @@ class InferenceEngine:
             result = self._classify(task, model, raw, generation, True, started, _L2Budget(False))
         except (ProbeMiss, InvalidInputError):
             return None
-        self._events.answered(task, result, route, client)
-        if self._warm_set is not None:
-            self._warm_set.note(task, result.key, raw)
-        for hook in self._answer_hooks:
-            hook(task, result, raw)
+        self._answered(task, result, raw, route, client)
         return result
 
     def close(self) -> None:
@@ -664,6 +655,11 @@ class InferenceEngine:
     def _count(self, name: str, n: int = 1) -> None:
         with self._counter_lock:
             setattr(self._counters, name, getattr(self._counters, name) + n)
+
+    def _answered(self, task: str, result: ClassifyResult, raw: Any, route: str, client: str | None) -> None:
+        self._events.answered(task, result, route, client)
+        for hook in self._answer_hooks:  # the warm set, hard examples
+            hook(task, result, raw)
 
     def _failed(
         self, task: str, model: Classifier, generation: int, started: float, status: str, error: str,
