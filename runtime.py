@@ -10,7 +10,11 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
+from sqlalchemy.engine import Engine as SqlEngine
+
 from admin.auth import AdminAuth, generate_token
+from admin.device_health import DeviceMonitor
+from admin.insights import Insights
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
 from engine.cleanup import Cleanup
@@ -18,6 +22,7 @@ from engine.codec import ValueCodec
 from engine.fleet import FleetMember
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
+from engine.key_sampler import KeySampler
 from engine.l1_gate import GatedMemoryStore, GenerationConfirmations
 from engine.lifecycle import ModelLifecycle
 from engine.models.base import Classifier
@@ -79,6 +84,7 @@ class Runtime:
     lifecycle: ModelLifecycle | None = None  # live model reloads (engine.lifecycle)
     warm_set: WarmSet | None = None  # WARM_SET_SIZE > 0 with Redis: warm-up (engine.warmup)
     torch_threads: TorchThreads | None = None  # torch's pool for the models served (onnx_backend)
+    insights: Insights | None = None  # sizing, worth, Redis/GPU health, CSV (admin.insights)
 
     def close(self) -> None:
         self._stack.close()
@@ -179,7 +185,7 @@ def build_runtime(
             models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice,
             batch_max_size=settings.batch_max_size,
             miss_concurrency={task: settings.miss_concurrency_for(m.device) for task, m in loaded.items()},
-            codec=ValueCodec([key.encode() for key in settings.cache_signing_keys]),
+            codec=(codec := ValueCodec([key.encode() for key in settings.cache_signing_keys])),
             shadow_sample_rate=settings.shadow_sample_rate, fleet_flight=flight,
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
@@ -231,14 +237,37 @@ def build_runtime(
         admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet,
                              lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set)  # fmt: skip
         auth = AdminAuth(settings.admin_token or _generated_token())
+        insights = _insights(settings, engine, codec, stack, db=db, writer=writer, admin=admin)
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
             log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle, warm_set=warm_set,
-            torch_threads=torch_threads,
+            torch_threads=torch_threads, insights=insights,
         )  # fmt: skip
     except BaseException:
         stack.close()
         raise
+
+
+def _insights(
+    settings: Settings, engine: InferenceEngine, codec: ValueCodec, stack: ExitStack, *,
+    db: SqlEngine, writer: RequestLogWriter, admin: AdminService,
+) -> Insights:  # fmt: skip
+    """The operator's questions (admin.insights): the key-stream sampler behind the sizing
+    curves (SIZING_MAX_KEYS=0: none) and, on CUDA, the GPU trend's sampler thread."""
+    sampler = None
+    if settings.sizing_max_keys > 0:
+        sampler = KeySampler(
+            sizer=lambda key, value: len(codec.encode(value, key=key)) + len(key),  # as L1 counts it
+            max_keys=settings.sizing_max_keys, l1_ttl_s=settings.cache_l1_ttl_s,
+            l2_ttl_s=settings.cache_ttl_s,
+        )  # fmt: skip
+        engine.observe_keys(sampler.observe)
+    devices = DeviceMonitor().start()
+    stack.callback(devices.close)
+    return Insights(
+        engine=engine, db=db, writer=writer, window_s=admin.window_s, sampler=sampler,
+        l1_max_bytes=settings.cache_l1_max_bytes, cost_per_hour=settings.model_cost_per_hour, devices=devices,
+    )  # fmt: skip
 
 
 def _warm_set(settings: Settings, engine: InferenceEngine, l2: RedisStore | None) -> WarmSet | None:

@@ -323,6 +323,12 @@ class Settings:
     # after a model swap or a generation bump (engine.warmup); 0: off, nothing kept.
     warm_set_size: int = 0
     warm_set_ttl_s: int = 86_400
+    # What an hour of model time costs (any currency): the console prices the time the cache
+    # saved with it; 0 leaves money out.
+    model_cost_per_hour: float = 0.0
+    # Keys each sizing profile tracks (engine.key_sampler): bounds its memory (~300 B a key)
+    # and CPU; 0 turns the sizing curves off.
+    sizing_max_keys: int = 4096
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -392,4 +398,6 @@ class Settings:
             models_config=_models_config(env),
             warm_set_size=_int(env, "WARM_SET_SIZE", 0, minimum=0),
             warm_set_ttl_s=_int(env, "WARM_SET_TTL_S", 86_400, minimum=1),
+            model_cost_per_hour=_float(env, "MODEL_COST_PER_HOUR", 0.0, minimum=0.0),
+            sizing_max_keys=_int(env, "SIZING_MAX_KEYS", 4096, minimum=0),
         )

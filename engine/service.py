@@ -116,6 +116,7 @@ class InferenceEngine:
         )
         self._counter_lock = threading.Lock()
         self._listeners: list[RequestListener] = []
+        self._key_observer: Callable[[str, str, Any], None] | None = None  # (task, key, value): sizing
         self._writes = WriteBatch(max_delay_s=L2_WRITE_DELAY_S)
         # Sends waiting writes that no request carried within L2_WRITE_DELAY_S; close() stops it.
         self._write_timer = OverdueWriteTimer(
@@ -174,6 +175,10 @@ class InferenceEngine:
 
     def add_listener(self, listener: RequestListener) -> None:
         self._listeners.append(listener)
+
+    def observe_keys(self, observer: Callable[[str, str, Any], None]) -> None:
+        """`observer(task, key, value)` on every answered use of a result key (engine.key_sampler)."""
+        self._key_observer = observer
 
     def classify(
         self, task: str, raw: Any, *, probe: bool = False, route: str = "gradio"
@@ -480,6 +485,8 @@ class InferenceEngine:
         if not quiet:  # a warm-up's request is neither sampled nor counted as a hit or a miss
             if self._shadow is not None and tier in ("l1", "l2"):
                 self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
+            if self._key_observer is not None:
+                self._key_observer(task, key, cached)
             self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
                          "coalesced": "coalesced"}[tier])  # fmt: skip
         now = self._clock()

@@ -23,6 +23,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Mount
 
 from admin.api import build_router
+from admin.insights_api import build_insights_router
 from admin.tab import CARD_CSS, build_admin_tab
 from api import DirectInfer, build_oip_router, oip_body_limit
 from engine.models.base import takes_image
@@ -50,6 +51,8 @@ def build_app(runtime: Runtime) -> FastAPI:
     app.include_router(
         build_router(engine=engine, admin=runtime.admin, auth=runtime.auth, metrics=runtime.metrics)
     )
+    if runtime.insights is not None:  # sizing, worth, health, CSV downloads (admin.insights_api)
+        app.include_router(build_insights_router(insights=runtime.insights, auth=runtime.auth))
     oip_limit = oip_body_limit(settings.max_upload_bytes)
     app.include_router(build_oip_router(engine, max_body_bytes=oip_limit))
     # REST infer calls skip FastAPI's routing and middleware when served by ServingApp.
@@ -57,7 +60,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     demo = build_demo(
         engine,
         max_upload_bytes=settings.max_upload_bytes,
-        admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth),
+        admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth, runtime.insights),
     )
     # Classify events set their own limits (see ui.app_ui._miss_lane); the console's run one at a time.
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
