@@ -47,7 +47,7 @@ def fill(client: redis.Redis, share: float) -> None:
             pipe.execute()
 
 
-def test_memory_limit_policy_and_evictions_in_metrics_and_warnings(serve, redis_server: EmbeddedRedis) -> None:
+def test_memory_limit_policy_evictions_in_metrics_and_warnings(serve, redis_server: EmbeddedRedis) -> None:
     url, runtime = serve(models={"text": CountingTextModel()}, redis_url=redis_server.url, admin_token=TOKEN)
     runtime.engine.classify("text", "hello")
     client = redis.Redis.from_url(redis_server.url)

@@ -7,6 +7,7 @@ and `GET /admin/api/sizing` over HTTP against a real Redis with a maxmemory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -130,7 +131,8 @@ def test_windows_and_bounded_memory_and_cost() -> None:
     assert all(p.tracked() <= 1024 for p in sampler.profiles().values())
     assert peak < 8 * 2**20, f"sampler peak memory {peak / 2**20:.1f} MiB"
     assert per_reference_us < 100, f"{per_reference_us:.1f} µs per reference"
-    print(f"sampler: {per_reference_us:.1f} µs CPU per reference (task + overall), peak {peak / 2**20:.2f} MiB")
+    print(f"sampler: {per_reference_us:.1f} µs CPU per reference (task + overall), "
+          f"peak {peak / 2**20:.2f} MiB")  # fmt: skip
 
 
 def test_report_marks_today_and_the_size_that_reaches_95pct() -> None:
@@ -180,7 +182,7 @@ def test_engine_feeds_the_sampler_and_the_api_answers(serve, redis_server: Embed
     curve = text["l1"]["curve"]
     assert curve[0]["bytes"] == 5000 and curve[-1]["bytes"] == 500_000
     assert curve[-1]["hit_ratio"] == pytest.approx(241 / 301, abs=0.01)  # every repeat fits in 500 kB
-    assert all(a["hit_ratio"] <= b["hit_ratio"] for a, b in zip(curve, curve[1:], strict=False))
+    assert all(a["hit_ratio"] <= b["hit_ratio"] for a, b in itertools.pairwise(curve))
     assert get(url + "/admin/api/sizing?window=yesterday") == (
         400, {"error": "window must be one of 5m, 1h, 24h, 7d or seconds"})  # fmt: skip
     assert get(url + "/admin/api/sizing", token=None)[0] == 401
