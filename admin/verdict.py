@@ -86,9 +86,9 @@ def worth(db: Engine, *, now: float, window_s: float, cost_per_hour: float) -> l
     })  # fmt: skip
     out = []
     for e in entries:
-        n = e["requests"]
+        n, hits = e["requests"], e.pop("hits")
         e["repeat_ratio"] = round(1 - e["distinct_inputs"] / n, 4) if n else None
-        e["hit_ratio"] = round(e.pop("hits") / n, 4) if n else None
+        e["hit_ratio"] = round(hits / n, 4) if n else None
         e["cost_saved"] = round(e["model_seconds_saved"] / 3600 * cost_per_hour, 4) if cost_per_hour else None
         e["model_seconds_saved"] = round(e["model_seconds_saved"], 3)
         out.append(Worth(**e, verdict=_verdict(e, window_s)))
