@@ -238,6 +238,7 @@ def build_runtime(
                              lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set)  # fmt: skip
         auth = AdminAuth(settings.admin_token or _generated_token())
         insights = _insights(settings, engine, codec, stack, db=db, writer=writer, admin=admin)
+        _log_components(settings, l2_url, fleet is not None)
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
             log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle, warm_set=warm_set,
@@ -246,6 +247,20 @@ def build_runtime(
     except BaseException:
         stack.close()
         raise
+
+
+def _log_components(settings: Settings, l2_url: str | None, in_fleet: bool) -> None:
+    """One start-up line per component the models' and Redis's own lines do not cover."""
+    log.info("L1: in-process LRU of %.0f MiB, entries kept %.0f s", settings.cache_l1_max_bytes / 2**20,
+             settings.cache_l1_ttl_s)  # fmt: skip
+    if l2_url is not None:
+        log.info("L2: Redis %s, entries kept %d s%s", _redacted(l2_url), settings.cache_ttl_s,
+                 f", replica {settings.replica_id} of a fleet" if in_fleet else "")  # fmt: skip
+    log.info("request log: %s (kept %g days, at most %d rows)", _redacted(settings.effective_database_url),
+             settings.log_retention_days, settings.log_max_rows)  # fmt: skip
+    sizing = f"up to {settings.sizing_max_keys} keys a task" if settings.sizing_max_keys else "off"
+    log.info("operator console: the Admin tab, /admin/api/* (Bearer ADMIN_TOKEN), /metrics; "
+             "sizing samples %s", sizing)  # fmt: skip
 
 
 def _insights(

@@ -249,7 +249,8 @@ def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -
     serving = ServingApp(settings, build_runtime=build_runtime, build_app=build_app, on_failure=stop)
     # Open event streams (a browser tab, a gradio_client) must not hold a redeploy hostage.
     config = uvicorn.Config(
-        serving, host=settings.host, port=settings.port, log_level="info", lifespan="on",
+        # Warnings only: ui.startup logs the one "ready: serving on" line a newcomer needs.
+        serving, host=settings.host, port=settings.port, log_level="warning", lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=limited_http_protocol(HeaderLimits.from_settings(settings)),
         # A line per request costs more server CPU than a cached answer; the request log
