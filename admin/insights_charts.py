@@ -5,6 +5,7 @@ in (admin.insights, AdminService.cache_state), figures and escaped HTML out."""
 from __future__ import annotations
 
 import html
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -77,22 +78,14 @@ def sizing_figure(report: dict[str, Any], tier: str) -> go.Figure:
         )
     fig = go.Figure(traces)
     current = (overall or {}).get(tier, {}) or {}
-    if current.get("current_bytes"):
-        fig.add_vline(
-            x=current["current_bytes"],
-            line_dash="dash",
-            line_color="#64748b",
-            annotation_text="today",
-            annotation_position="top left",
-        )
-    if current.get("smallest_bytes_for_95pct_of_best"):
-        fig.add_vline(
-            x=current["smallest_bytes_for_95pct_of_best"],
-            line_dash="dot",
-            line_color=OVERALL_COLOUR,
-            annotation_text="95 % of best",
-            annotation_position="bottom right",
-        )
+    marks = (("current_bytes", "today", "dash", "#64748b", 1.0),
+             ("smallest_bytes_for_95pct_of_best", "95 % of best", "dot", OVERALL_COLOUR, 0.08))  # fmt: skip
+    for field, text, dash, colour, y in marks:
+        if current.get(field):
+            fig.add_vline(x=current[field], line_dash=dash, line_color=colour)
+            # On a log axis an annotation's x is the exponent (plotly.js), a shape's the value.
+            fig.add_annotation(x=math.log10(current[field]), y=y, yref="paper", text=text, showarrow=False,
+                               xanchor="left", font={"color": colour})  # fmt: skip
     return _layout(
         fig,
         f"{TIER_TITLES[tier]}: hit ratio by size",

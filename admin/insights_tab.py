@@ -84,7 +84,8 @@ def make_insights_callbacks(insights: Insights) -> dict[str, Callable[..., Any]]
         return (
             worth_html(worth),
             health_html(health),
-            gpu_figure(health["gpu"]),
+            # The trend only where there is a GPU; on the CPU the health cards say there is none.
+            gr.update(value=gpu_figure(health["gpu"]), visible=health["gpu"]["enabled"]),
             "  \n".join(sentences),
             sizing_figure(sizing, "l1"),
             sizing_figure(sizing, "l2"),
@@ -111,7 +112,7 @@ def build_insights_panel(
     with gr.Accordion("Is caching worth it · health · sizing", open=True, elem_id="admin-insights"):
         verdict = gr.HTML(elem_id="admin-verdict")
         health = gr.HTML(elem_id="admin-health")
-        gpu_plot = gr.Plot(label="GPU", elem_id="admin-gpu")
+        gpu_plot = gr.Plot(label="GPU", elem_id="admin-gpu", visible=False)
         sizing_text = gr.Markdown(elem_id="admin-sizing-text")
         with gr.Row():
             l1_plot = gr.Plot(label="L1 sizing", elem_id="admin-sizing-l1")
