@@ -65,7 +65,11 @@ class DeviceMonitor:
     """Samples the GPUs every `period_s` into a bounded trend (the console's chart). On the CPU
     it starts no thread. Owned by the composition root; `close()` is idempotent."""
 
-    def __init__(self, *, period_s: float = 10.0, reader: Callable[[], list[GpuSample]] = read_gpus) -> None:
+    def __init__(
+        self, *, period_s: float = 10.0, reader: Callable[[], list[GpuSample]] = read_gpus,
+        cuda: Callable[[], bool] = cuda_available,
+    ) -> None:  # fmt: skip
+        self._cuda = cuda
         self._period_s = period_s
         self._reader = reader
         self._trend: deque[tuple[float, list[GpuSample]]] = deque(maxlen=TREND_POINTS)
@@ -74,7 +78,7 @@ class DeviceMonitor:
         self.enabled = False
 
     def start(self) -> DeviceMonitor:
-        if not cuda_available():
+        if not self._cuda():
             log.info("GPU: none (models on the CPU); no GPU figures")
             return self
         self.enabled = True

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from admin.device_health import read_gpus
+from admin.device_health import GpuSample, read_gpus
 from engine.service import InferenceEngine
 from storage.redis_health import read_health
 
@@ -46,8 +46,9 @@ def redis_metrics(engine: InferenceEngine) -> Iterator[GaugeMetricFamily | Count
     yield from (up, used, limit, policy, evicted, expired)
 
 
-def gpu_metrics() -> Iterator[GaugeMetricFamily]:
-    gpus = read_gpus()
+def gpu_metrics(gpus: list[GpuSample] | None = None) -> Iterator[GaugeMetricFamily]:
+    """`gpus`: samples already read (the default reads them now); none on the CPU."""
+    gpus = read_gpus() if gpus is None else gpus
     if not gpus:
         return
     families = {

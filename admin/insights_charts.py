@@ -51,31 +51,18 @@ def sizing_sentence(entry: dict[str, Any] | None, tier: str) -> str:
 
 def sizing_figure(report: dict[str, Any], tier: str) -> go.Figure:
     """Hit ratio against size (log axis) per task and overall, today's size a dashed line."""
-    entries = [(task, e) for task, e in report.get("tasks", {}).items() if e.get(tier)]
     overall = report.get("overall")
-    traces = []
-    for index, (task, entry) in enumerate(entries):
-        points = entry[tier]["curve"]
-        traces.append(
-            go.Scatter(
-                x=[p["bytes"] for p in points],
-                y=[100 * p["hit_ratio"] for p in points],
-                name=task,
-                mode="lines",
-                line={"color": TASK_COLOURS[index % len(TASK_COLOURS)]},
-            )
-        )
+    with_tier = [(task, e) for task, e in report.get("tasks", {}).items() if e.get(tier)]
+    series = [(task, e[tier]["curve"], "lines", {"color": TASK_COLOURS[i % len(TASK_COLOURS)]})
+              for i, (task, e) in enumerate(with_tier)]  # fmt: skip
     if overall and overall.get(tier):
-        points = overall[tier]["curve"]
-        traces.append(
-            go.Scatter(
-                x=[p["bytes"] for p in points],
-                y=[100 * p["hit_ratio"] for p in points],
-                name="all tasks",
-                mode="lines+markers",
-                line={"color": OVERALL_COLOUR, "width": 3},
-            )
-        )
+        thick = {"color": OVERALL_COLOUR, "width": 3}
+        series.append(("all tasks", overall[tier]["curve"], "lines+markers", thick))
+    traces = [
+        go.Scatter(x=[p["bytes"] for p in points], y=[100 * p["hit_ratio"] for p in points], name=name,
+                   mode=mode, line=line)
+        for name, points, mode, line in series
+    ]  # fmt: skip
     fig = go.Figure(traces)
     current = (overall or {}).get(tier, {}) or {}
     marks = (("current_bytes", "today", "dash", "#64748b", 1.0),

@@ -4,6 +4,7 @@ cluster; GPU figures present on CUDA and absent (and said so) on the CPU."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -11,7 +12,9 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from admin.device_health import NO_CUDA, cuda_available
+from admin.device_health import NO_CUDA, DeviceMonitor, GpuSample, cuda_available
+from admin.health_metrics import gpu_metrics
+from admin.insights_charts import gpu_figure, health_html
 from bench.redis_servers import LocalCluster
 from storage.embedded_redis import EmbeddedRedis
 from tests.conftest import CountingTextModel
@@ -121,3 +124,38 @@ def test_every_primary_of_a_cluster_is_reported(serve, cluster: LocalCluster) ->
         assert {dict(labels)["node"] for labels in samples[name]} == nodes, name
     sizing = get(url + "/admin/api/sizing?window=1h")[1]
     assert sizing["overall"]["l2"]["current_bytes"] == 3 * 32 * MIB  # the cluster's memory together
+
+
+def sample(utilization: float | None, used_gb: float) -> GpuSample:
+    return GpuSample(device="cuda:0", name="NVIDIA H200", utilization=utilization,
+                     memory_used_bytes=int(used_gb * 1e9), memory_total_bytes=int(140e9),
+                     torch_allocated_bytes=int(1e9))  # fmt: skip
+
+
+def test_gpu_samples_become_metrics_a_trend_and_cards() -> None:
+    """What a CUDA replica shows, from samples as read_gpus returns them (this suite's CPU has none)."""
+    families = {f.name: f for f in gpu_metrics([sample(0.42, 14.0)])}
+    assert families["infcache_gpu_utilization_ratio"].samples[0].value == 0.42
+    assert families["infcache_gpu_memory_used_bytes"].samples[0].labels == {"device": "cuda:0"}
+    assert "infcache_gpu_utilization_ratio" not in {f.name for f in gpu_metrics([sample(None, 1.0)])}
+    assert list(gpu_metrics([])) == []
+
+    readings = iter([[sample(0.1, 10.0)], [sample(0.9, 70.0)]])
+    monitor = DeviceMonitor(period_s=0.05, reader=lambda: next(readings, [sample(0.5, 50.0)]),
+                            cuda=lambda: True)  # fmt: skip
+    try:
+        monitor.start()
+        deadline = time.monotonic() + 5
+        while len(monitor.trend()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        monitor.close()
+    trend = monitor.trend()
+    assert [p["gpus"][0]["utilization"] for p in trend[:2]] == [0.1, 0.9]
+    gpu = {"enabled": True, "note": None, "devices": trend[-1]["gpus"], "trend": trend}
+    figure = gpu_figure(gpu)
+    assert [trace.name for trace in figure.data] == ["cuda:0 busy", "cuda:0 memory"]
+    assert list(figure.data[0].y[:2]) == [10.0, 90.0] and list(figure.data[1].y[:2]) == [10.0 / 1.4, 50.0]
+    cards = health_html({"redis": {"enabled": False}, "gpu": gpu})
+    assert "cuda:0 NVIDIA H200" in cards and "50 % busy" in cards
+    assert DeviceMonitor(cuda=lambda: False).start().trend() == []  # the CPU: no thread, no trend
