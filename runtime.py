@@ -277,6 +277,8 @@ def _insights(
             l2_ttl_s=settings.cache_ttl_s,
         )  # fmt: skip
         engine.observe_keys(sampler.observe)
+        sampler.start()
+        stack.callback(sampler.close)
     devices = DeviceMonitor().start()
     stack.callback(devices.close)
     return Insights(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.key_sampler import OVERALL, KeySampler, ReuseProfile, hit_ratios
+from engine.key_sampler import HOUR_S, KEEP_HOURS, OVERALL, KeySampler, ReuseProfile, hit_ratios
 
 STEPS_PER_DECADE = 10
 GOOD_ENOUGH = 0.95  # "reaches 95 % of the best hit ratio"
@@ -64,7 +64,9 @@ def profile_report(
 def sizing_report(
     sampler: KeySampler, *, window_s: float, l1_bytes: int, l2: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """`l2`: {"current_bytes", "limit_set"} of Redis, or None without L2."""
+    """`l2`: {"current_bytes", "limit_set"} of Redis, or None without L2. A window longer than
+    the sampler keeps (7 days) is cut to that (`window_s` says so)."""
+    window_s = min(window_s, KEEP_HOURS * HOUR_S)
     now = sampler.now()
     profiles = sampler.profiles()
     args = {"now": now, "window_s": window_s, "l1_bytes": l1_bytes, "l2": l2}

@@ -14,8 +14,9 @@ of C bytes exactly when the bytes of the distinct entries used since its previou
 own included, fit in C. A reuse later than the tier's TTL counts as a miss at every size.
 The L2 distance adds Redis's per-entry overhead to each entry.
 
-The hook on the request path (`observe`) costs a hash compare for an unsampled key and a few
-microseconds for a sampled one (three Fenwick-tree steps over packed size/count sums).
+The hook on the request path (`observe`) only queues the use; the profiles are updated off it
+(`KeySampler`): a hash compare for an unsampled key, a few microseconds for a sampled one (three
+Fenwick-tree steps over packed size/count sums), in each of two profiles.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,7 @@ _COUNT_UNIT = 1 << 40
 # What a key costs Redis beyond its key and value bytes (dict entry, objects, expiry entry,
 # allocator rounding): measured with MEMORY USAGE on small entries, about 80-100 bytes.
 REDIS_ENTRY_OVERHEAD = 96
+MIN_CAPACITY = 256  # the smallest Fenwick tree (stamps before a renumbering)
 MINUTE_S = 60
 HOUR_S = 3600
 KEEP_MINUTES = 60  # minute buckets for the last hour, then merged into hour buckets
@@ -73,6 +76,18 @@ class _Fenwick:
     def __init__(self, size: int) -> None:
         self.tree = [0] * (size + 1)
         self.total = 0
+
+    @classmethod
+    def build(cls, values: list[int], size: int) -> _Fenwick:
+        """A tree holding `values` at positions 1..len(values), in O(size)."""
+        tree = cls(size)
+        tree.tree[1 : len(values) + 1] = values
+        for index in range(1, size + 1):
+            parent = index + (index & -index)
+            if parent <= size:
+                tree.tree[parent] += tree.tree[index]
+        tree.total = sum(values)
+        return tree
 
     def add(self, index: int, value: int) -> None:
         tree, n = self.tree, len(self.tree)
@@ -114,12 +129,6 @@ class _Counts:
                 mine[index] = mine.get(index, 0.0) + w
 
 
-@dataclass(frozen=True)
-class Curve:
-    bytes: list[int]
-    hit_ratio: list[float]
-
-
 class ReuseProfile:
     """The sampled reuse distances of one key stream (a task, or every task). Thread-safe."""
 
@@ -129,7 +138,9 @@ class ReuseProfile:
         self._threshold = HASH_SPACE  # sampled when key_hash < threshold: all keys at first
         self._keys: dict[str, _Tracked] = {}
         self._heap: list[tuple[int, str]] = []  # (-hash, key): the largest tracked hash first
-        self._capacity = 4 * self._max_keys
+        # Stamps run up to `capacity`, then are renumbered; the tree grows with the keys
+        # tracked (a smaller tree is fewer steps per use).
+        self._capacity = MIN_CAPACITY
         self._tree = _Fenwick(self._capacity)
         self._next = 1
         self._minutes: dict[int, _Counts] = {}
@@ -153,18 +164,20 @@ class ReuseProfile:
             if tracked is None:  # a first use: a miss at every size
                 self._track(key, h, now, size_of())
                 return
-            between = self._tree.total - self._tree.prefix(tracked.stamp)
-            count, size_sum = divmod(between, _COUNT_UNIT)
+            tree, entry = self._tree, tracked.size + _COUNT_UNIT
+            count, size_sum = divmod(tree.total - tree.prefix(tracked.stamp), _COUNT_UNIT)
             gap = now - tracked.last_at
             l1 = size_sum * weight + tracked.size
-            l2 = l1 + (count * weight + 1) * REDIS_ENTRY_OVERHEAD
-            for histogram, distance, ttl in ((counts.l1, l1, self._ttl[0]), (counts.l2, l2, self._ttl[1])):
-                if gap <= ttl:
-                    index = _bin(distance)
-                    histogram[index] = histogram.get(index, 0.0) + weight
-            self._tree.add(tracked.stamp, -(tracked.size + _COUNT_UNIT))
-            tracked.stamp, tracked.last_at = self._stamp(), now
-            self._tree.add(tracked.stamp, tracked.size + _COUNT_UNIT)
+            if gap <= self._ttl[0]:
+                index = _bin(l1)
+                counts.l1[index] = counts.l1.get(index, 0.0) + weight
+            if gap <= self._ttl[1]:
+                index = _bin(l1 + (count * weight + 1) * REDIS_ENTRY_OVERHEAD)
+                counts.l2[index] = counts.l2.get(index, 0.0) + weight
+            stamp = self._stamp()  # first: a renumbering moves this key's old stamp too
+            self._tree.add(tracked.stamp, -entry)
+            self._tree.add(stamp, entry)
+            tracked.stamp, tracked.last_at = stamp, now
 
     def _track(self, key: str, h: int, now: float, size: int) -> None:
         tracked = _Tracked(self._stamp(), size, now, h)
@@ -183,10 +196,10 @@ class ReuseProfile:
     def _stamp(self) -> int:
         if self._next > self._capacity:  # renumber the live stamps 1..n, in order of last use
             ordered = sorted(self._keys.values(), key=lambda t: t.stamp)
-            self._tree = _Fenwick(self._capacity)
+            self._capacity = max(MIN_CAPACITY, 4 * len(ordered))
+            self._tree = _Fenwick.build([t.size + _COUNT_UNIT for t in ordered], self._capacity)
             for position, tracked in enumerate(ordered, start=1):
                 tracked.stamp = position
-                self._tree.add(position, tracked.size + _COUNT_UNIT)
             self._next = len(ordered) + 1
         stamp = self._next
         self._next += 1
@@ -241,6 +254,10 @@ def hit_ratios(counts: _Counts, histogram: dict[int, float], sizes: Iterable[int
 class KeySampler:
     """The engine's key-stream hook (`observe`): a profile per task and one of all tasks.
 
+    The request path only queues (task, key, value, time): about a microsecond. The profiles
+    are updated off it, by `start()`'s thread in small batches that yield between them (so a
+    request never waits long for the GIL), or by whoever reads them (`profiles()` catches up
+    first). A queue that falls `max_queue` behind drops references and counts them.
     `sizer(key, value)` gives an entry's L1 bytes; it is called once per newly sampled key.
     """
 
@@ -252,21 +269,41 @@ class KeySampler:
         l1_ttl_s: float = math.inf,
         l2_ttl_s: float = math.inf,
         clock: Callable[[], float] = time.time,
+        max_queue: int = 100_000,
+        period_s: float = 0.5,
     ) -> None:
         self._sizer = sizer
         self._options = {"max_keys": max_keys, "l1_ttl_s": l1_ttl_s, "l2_ttl_s": l2_ttl_s}
         self._clock = clock
         self._profiles: dict[str, ReuseProfile] = {OVERALL: ReuseProfile(**self._options)}
-        self._lock = threading.Lock()
+        self._queue: deque[tuple[str, str, Any, float]] = deque()
+        self._max_queue = max_queue
+        self._period_s = period_s
+        self._drain_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
 
     def observe(self, task: str, key: str, value: Any) -> None:
-        """One use of cache key `key` (any tier). Never raises into the request."""
+        """One use of cache key `key` (any tier), on the request path: queued, never raises."""
+        if len(self._queue) >= self._max_queue:
+            self.dropped += 1  # the background thread fell behind: this use is not sampled
+            return
+        self._queue.append((task, key, value, self._clock()))
+
+    def drain(self, batch: int = 256) -> None:
+        """Apply every queued use to the profiles, `batch` at a time, yielding between batches."""
+        with self._drain_lock:
+            while self._queue:
+                for _ in range(min(batch, len(self._queue))):
+                    self._apply(*self._queue.popleft())
+                time.sleep(0)  # let a request thread take the GIL
+
+    def _apply(self, task: str, key: str, value: Any, now: float) -> None:
         profile = self._profiles.get(task)
         if profile is None:
-            with self._lock:
-                profile = self._profiles.setdefault(task, ReuseProfile(**self._options))
+            profile = self._profiles[task] = ReuseProfile(**self._options)
         h = key_hash(key)
-        now = self._clock()
         size: list[int] = []
 
         def size_of() -> int:  # computed once, only for a key newly sampled
@@ -277,10 +314,28 @@ class KeySampler:
         try:
             profile.observe(key, h, now, size_of)
             self._profiles[OVERALL].observe(key, h, now, size_of)
-        except Exception:  # sizing is telemetry: it must never fail a request
+        except Exception:  # telemetry: a bad value is skipped, the sampler goes on
             log.exception("key sampler failed on a %s key", task)
 
+    def start(self) -> KeySampler:
+        self._thread = threading.Thread(target=self._run, name="key-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            self.drain()
+
+    def close(self) -> None:
+        """Stop the thread (idempotent); what is still queued is dropped."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=5)
+        self._queue.clear()
+
     def profiles(self) -> dict[str, ReuseProfile]:
+        self.drain()
         return dict(self._profiles)
 
     def now(self) -> float:
