@@ -291,7 +291,7 @@ class KeySampler:
             return
         self._queue.append((task, key, value, self._clock()))
 
-    def drain(self, batch: int = 256) -> None:
+    def drain(self, batch: int = 64) -> None:
         """Apply every queued use to the profiles, `batch` at a time, yielding between batches."""
         with self._drain_lock:
             while self._queue:
