@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from engine.models.config import ModelConfigError
-from process_setup import limit_malloc_arenas
+from process_setup import configure_logging, limit_malloc_arenas
 from runtime import build_runtime, model_specs
 from settings import Settings, SettingsError
 from ui.server import serve
@@ -15,7 +15,7 @@ from ui.server import serve
 
 def main() -> None:
     limit_malloc_arenas()  # before any thread allocates (see process_setup)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()  # the app's lines at INFO, libraries' at WARNING (see process_setup)
     try:
         settings = Settings.from_env()
         model_specs(settings)  # a bad MODELS_CONFIG entry is named now, before anything starts

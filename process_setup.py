@@ -39,3 +39,26 @@ def limit_malloc_arenas(max_arenas: int = DEFAULT_MALLOC_ARENAS) -> bool:
     if not applied:
         log.warning("could not limit malloc arenas to %d", max_arenas)
     return applied
+
+
+# Libraries whose INFO lines drown the app's own start-up story (Alembic prints a line per
+# plugin and per migration step; storage.sql says in one line where the schema stands).
+THIRD_PARTY_LOGGERS = ("alembic", "httpx", "httpcore", "urllib3", "gradio", "gradio_client", "matplotlib",
+                       "PIL", "transformers", "huggingface_hub", "onnxruntime", "filelock", "asyncio",
+                       "multipart", "python_multipart", "sqlalchemy", "torch", "uvicorn")  # fmt: skip
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """The server log a newcomer can read: the app's own lines (one per component as it
+    starts, then warnings) at `level`, every third-party library at WARNING, no progress bars."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    for name in THIRD_PARTY_LOGGERS:
+        logging.getLogger(name).setLevel(max(level, logging.WARNING))
+    # transformers draws a progress bar while loading weights unless huggingface_hub's are off
+    # (it asks once, when imported: after this).
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # pragma: no cover - installed with transformers
+        return
+    disable_progress_bars()

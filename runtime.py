@@ -10,8 +10,12 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
+from sqlalchemy.engine import Engine as SqlEngine
+
 from admin.auth import AdminAuth, generate_token
 from admin.clients import ClientActivity, FairnessCollector
+from admin.device_health import DeviceMonitor
+from admin.insights import Insights
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
 from engine.cleanup import Cleanup
@@ -21,6 +25,7 @@ from engine.fleet import FleetMember
 from engine.fleet_flight import FleetFlight
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.hard_examples import HardExamples
+from engine.key_sampler import KeySampler
 from engine.l1_gate import GatedMemoryStore, GenerationConfirmations
 from engine.lifecycle import ModelLifecycle
 from engine.models.base import Classifier
@@ -86,6 +91,7 @@ class Runtime:
     torch_threads: TorchThreads | None = None  # torch's pool for the models served (onnx_backend)
     client_activity: ClientActivity | None = None  # the console's Busiest clients (admin.clients)
     hard_examples: HardExamples | None = None  # HARD_EXAMPLES_SIZE > 0 with Redis (engine.hard_examples)
+    insights: Insights | None = None  # sizing, worth, Redis/GPU health, CSV (admin.insights)
 
     def close(self) -> None:
         self._stack.close()
@@ -186,7 +192,7 @@ def build_runtime(
             models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice,
             batch_max_size=settings.batch_max_size,
             miss_concurrency={task: settings.miss_concurrency_for(m.device) for task, m in loaded.items()},
-            codec=ValueCodec([key.encode() for key in settings.cache_signing_keys]),
+            codec=(codec := ValueCodec([key.encode() for key in settings.cache_signing_keys])),
             shadow_sample_rate=settings.shadow_sample_rate, fleet_flight=flight,
             miss_budget=_miss_budget(settings, l2, policy),
         )  # fmt: skip
@@ -246,10 +252,13 @@ def build_runtime(
                              lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set,
                              hard_examples=hard_examples)  # fmt: skip
         auth = AdminAuth(settings.admin_token or _generated_token())
+        insights = _insights(settings, engine, codec, stack, db=db, writer=writer, admin=admin)
+        _log_components(settings, l2_url, fleet is not None)
         return Runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
             log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle, warm_set=warm_set,
             torch_threads=torch_threads, client_activity=client_activity, hard_examples=hard_examples,
+            insights=insights,
         )  # fmt: skip
     except BaseException:
         stack.close()
@@ -263,6 +272,44 @@ def _miss_budget(settings: Settings, l2: RedisStore | None, policy: CachePolicy)
         return None
     shared = RedisBuckets(l2, prefix=f"{policy.meta_prefix}miss-budget:") if l2 is not None else None
     return MissBudget(rate=settings.client_miss_rate, burst=settings.client_miss_burst, shared=shared)
+
+
+def _log_components(settings: Settings, l2_url: str | None, in_fleet: bool) -> None:
+    """One start-up line per component the models' and Redis's own lines do not cover."""
+    log.info("L1: in-process LRU of %.0f MiB, entries kept %.0f s", settings.cache_l1_max_bytes / 2**20,
+             settings.cache_l1_ttl_s)  # fmt: skip
+    if l2_url is not None:
+        log.info("L2: Redis %s, entries kept %d s%s", _redacted(l2_url), settings.cache_ttl_s,
+                 f", replica {settings.replica_id} of a fleet" if in_fleet else "")  # fmt: skip
+    log.info("request log: %s (kept %g days, at most %d rows)", _redacted(settings.effective_database_url),
+             settings.log_retention_days, settings.log_max_rows)  # fmt: skip
+    sizing = f"up to {settings.sizing_max_keys} keys a task" if settings.sizing_max_keys else "off"
+    log.info("operator console: the Admin tab, /admin/api/* (Bearer ADMIN_TOKEN), /metrics; "
+             "sizing samples %s", sizing)  # fmt: skip
+
+
+def _insights(
+    settings: Settings, engine: InferenceEngine, codec: ValueCodec, stack: ExitStack, *,
+    db: SqlEngine, writer: RequestLogWriter, admin: AdminService,
+) -> Insights:  # fmt: skip
+    """The operator's questions (admin.insights): the key-stream sampler behind the sizing
+    curves (SIZING_MAX_KEYS=0: none) and, on CUDA, the GPU trend's sampler thread."""
+    sampler = None
+    if settings.sizing_max_keys > 0:
+        sampler = KeySampler(
+            sizer=lambda key, value: len(codec.encode(value, key=key)) + len(key),  # as L1 counts it
+            max_keys=settings.sizing_max_keys, l1_ttl_s=settings.cache_l1_ttl_s,
+            l2_ttl_s=settings.cache_ttl_s,
+        )  # fmt: skip
+        engine.observe_keys(sampler.observe)
+        sampler.start()
+        stack.callback(sampler.close)
+    devices = DeviceMonitor().start()
+    stack.callback(devices.close)
+    return Insights(
+        engine=engine, db=db, writer=writer, window_s=admin.window_s, sampler=sampler,
+        l1_max_bytes=settings.cache_l1_max_bytes, cost_per_hour=settings.model_cost_per_hour, devices=devices,
+    )  # fmt: skip
 
 
 def _warm_set(settings: Settings, engine: InferenceEngine, l2: RedisStore | None) -> WarmSet | None:

@@ -345,6 +345,12 @@ class Settings:
     hard_example_min_margin: float = 0.1
     # The most the collection may spend, as a share of the model's forward time on misses.
     hard_examples_cpu_share: float = 0.01
+    # What an hour of model time costs (any currency): the console prices the time the cache
+    # saved with it; 0 leaves money out.
+    model_cost_per_hour: float = 0.0
+    # Keys each sizing profile tracks (engine.key_sampler): bounds its memory (~300 B a key)
+    # and CPU; 0 turns the sizing curves off.
+    sizing_max_keys: int = 4096
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -422,4 +428,6 @@ class Settings:
             hard_example_max_score=_rate(env, "HARD_EXAMPLE_MAX_SCORE", 0.5),
             hard_example_min_margin=_rate(env, "HARD_EXAMPLE_MIN_MARGIN", 0.1),
             hard_examples_cpu_share=_rate(env, "HARD_EXAMPLES_CPU_SHARE", 0.01),
+            model_cost_per_hour=_float(env, "MODEL_COST_PER_HOUR", 0.0, minimum=0.0),
+            sizing_max_keys=_int(env, "SIZING_MAX_KEYS", 4096, minimum=0),
         )

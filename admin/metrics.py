@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from admin.health_metrics import gpu_metrics, redis_metrics
 from engine.service import InferenceEngine, RequestRecord
 from storage.log_writer import RequestLogWriter
 
@@ -41,6 +42,8 @@ class _CacheStateCollector(Collector):
         yield CounterMetricFamily("infcache_l2_forged_values", "L2 values refused: bad or no signature",
                                   value=counters.forged_values)  # fmt: skip
         yield from shadow_metrics(self._engine)
+        yield from redis_metrics(self._engine)  # INFO of each Redis primary (admin.health_metrics)
+        yield from gpu_metrics()
         breaker = GaugeMetricFamily(
             "infcache_l2_breaker_state", "L2 circuit breaker: 0 closed, 1 half-open, 2 open, -1 disabled"
         )

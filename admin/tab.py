@@ -15,6 +15,9 @@ from admin.charts import all_figures
 from admin.clients import ClientActivity
 from admin.clients_tab import build_clients_panel
 from admin.hard_examples_tab import build_hard_examples_panel
+from admin.insights import Insights
+from admin.insights_charts import state_html
+from admin.insights_tab import AUTO_REFRESH_JS, AUTO_REFRESH_S, INSIGHTS_CSS, build_insights_panel
 from admin.models_tab import build_models_panel
 from admin.replicas_tab import build_replicas_panel, fleet_line
 from admin.service import WINDOWS_S, AdminService, LogUnavailableError
@@ -27,7 +30,7 @@ CARD_CSS = """
              min-width: 150px; background: var(--background-fill-secondary); }
 .stat-name { font-size: 12px; color: var(--body-text-color-subdued); }
 .stat-value { font-size: 20px; font-weight: 600; }
-"""
+""" + INSIGHTS_CSS
 AUDIT_HEADERS = ["time (UTC)", "action", "parameters", "result", "who"]
 NOT_SIGNED_IN = "Sign in with the admin token first."
 
@@ -115,8 +118,9 @@ def make_callbacks(admin: AdminService, auth: AdminAuth) -> dict[str, Callable[.
         except LogUnavailableError as exc:
             raise gr.Error(str(exc), print_exception=False) from None
         figures = all_figures(data)
+        state = data["cache"]
         return (stat_cards(data), figures["hit_rate"], figures["tiers"], figures["latency"],
-                figures["hot_keys"], data["cache"], _audit_table(admin))  # fmt: skip
+                figures["hot_keys"], state_html(state), state, _audit_table(admin))  # fmt: skip
 
     def flush(session: str | None, tier: str, confirmed: bool) -> str:
         actor = _require(session)
@@ -145,8 +149,12 @@ def make_callbacks(admin: AdminService, auth: AdminAuth) -> dict[str, Callable[.
     return {"sign_in": sign_in, "sign_out": sign_out, "refresh": refresh, "flush": flush, "bump": bump}
 
 
-def build_admin_tab(admin: AdminService, auth: AdminAuth, clients: ClientActivity | None = None) -> None:
-    """Call inside a `gr.Blocks` context (within `gr.Tabs`). `clients`: the Busiest clients table."""
+def build_admin_tab(
+    admin: AdminService, auth: AdminAuth, clients: ClientActivity | None = None,
+    insights: Insights | None = None,
+) -> None:  # fmt: skip
+    """Call inside a `gr.Blocks` context (within `gr.Tabs`). `clients`: the Busiest clients table;
+    `insights`: the answers panel (sizing, worth, health, CSV); each absent when None."""
     cb = make_callbacks(admin, auth)
     private = {"api_visibility": "undocumented"}  # callable (and refused) without sign-in, not listed
     with gr.Tab("Admin", id="admin"):
@@ -158,8 +166,11 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth, clients: ClientActivit
         with gr.Column(visible=False, elem_id="admin-console") as console:
             with gr.Row():
                 window = gr.Radio(list(WINDOWS_S), value="1h", label="Window", elem_id="admin-window")
+                auto_refresh = gr.Checkbox(value=True, label=f"Auto-refresh every {AUTO_REFRESH_S:.0f} s",
+                                           elem_id="admin-auto-refresh")  # fmt: skip
                 refresh_btn = gr.Button("Refresh", elem_id="admin-refresh")
                 sign_out_btn = gr.Button("Sign out", size="sm")
+            ticker = gr.Timer(AUTO_REFRESH_S)
             cards = gr.HTML(elem_id="admin-cards")
             with gr.Row():
                 hit_plot = gr.Plot(label="Hit rate", elem_id="admin-hit-rate")
@@ -167,7 +178,9 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth, clients: ClientActivit
             with gr.Row():
                 latency_plot = gr.Plot(label="Latency", elem_id="admin-latency")
                 hot_plot = gr.Plot(label="Hot keys", elem_id="admin-hot-keys")
-            state_json = gr.JSON(label="Live cache state", elem_id="admin-state")
+            state_cards = gr.HTML(label="Live cache state", elem_id="admin-state-cards")
+            with gr.Accordion("Live cache state (raw JSON)", open=False, elem_id="admin-state-raw"):
+                state_json = gr.JSON(label="Live cache state", elem_id="admin-state")
             with gr.Row():
                 with gr.Column():
                     flush_tier = gr.Radio(["l1", "l2", "all"], value="all", label="Flush tier",
@@ -190,8 +203,10 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth, clients: ClientActivit
             build_trust_panel(admin, session)
             build_models_panel(admin, session)
             build_hard_examples_panel(admin, session)
+            insights_after = (build_insights_panel(insights, session, window, refreshes)
+                              if insights is not None else None)  # fmt: skip
 
-        refresh_outputs = [cards, hit_plot, tier_plot, latency_plot, hot_plot, state_json, audit]
+        refresh_outputs = [cards, hit_plot, tier_plot, latency_plot, hot_plot, state_cards, state_json, audit]
         sign_in_event = gr.on(
             [sign_in_btn.click, token.submit], cb["sign_in"], inputs=token,
             outputs=[session, login_box, console, login_msg, token], api_name="admin_sign_in", **private,
@@ -201,6 +216,12 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth, clients: ClientActivit
         replicas_after(sign_in_event)
         if clients is not None:
             clients_after(sign_in_event)
+        if insights_after is not None:
+            insights_after(sign_in_event)
+        # Auto-refresh clicks Refresh in the browser (admin.insights_tab): nothing is sent while
+        # the page is hidden; the toggle stops the timer itself.
+        ticker.tick(None, js=AUTO_REFRESH_JS, api_visibility="private")
+        auto_refresh.change(lambda on: gr.Timer(active=on), auto_refresh, ticker, api_visibility="private")
         sign_out_btn.click(cb["sign_out"], outputs=[session, login_box, console], api_visibility="private")
         gr.on([refresh_btn.click, window.change], cb["refresh"], inputs=[session, window],
               outputs=refresh_outputs, api_name="admin_refresh", **private)  # fmt: skip
@@ -217,7 +238,7 @@ def build_admin_tab(admin: AdminService, auth: AdminAuth, clients: ClientActivit
 def _refresh_if_signed_in(refresh: Callable[..., Any]) -> Callable[..., Any]:
     def after_sign_in(session: str | None, window: str) -> Any:
         if not session:
-            return tuple(gr.skip() for _ in range(7))
+            return tuple(gr.skip() for _ in range(8))
         return refresh(session, window)
 
     return after_sign_in

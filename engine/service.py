@@ -121,6 +121,7 @@ class InferenceEngine:
         )
         self._counter_lock = threading.Lock()
         self._events = RequestEvents(clock)  # request records for the log, metrics, console
+        self._key_observer: Callable[[str, str, Any], None] | None = None  # (task, key, value): sizing
         self._writes = WriteBatch(max_delay_s=L2_WRITE_DELAY_S)
         # Sends waiting writes that no request carried within L2_WRITE_DELAY_S; close() stops it.
         self._write_timer = OverdueWriteTimer(
@@ -169,6 +170,10 @@ class InferenceEngine:
 
     def add_listener(self, listener: RequestListener) -> None:
         self._events.add_listener(listener)
+
+    def observe_keys(self, observer: Callable[[str, str, Any], None]) -> None:
+        """`observer(task, key, value)` on every answered use of a result key (engine.key_sampler)."""
+        self._key_observer = observer
 
     def classify(
         self, task: str, raw: Any, *, probe: bool = False, route: str = "gradio", client: str | None = None
@@ -497,6 +502,8 @@ class InferenceEngine:
         if not quiet:  # a warm-up's request is neither sampled nor counted as a hit or a miss
             if self._shadow is not None and tier in ("l1", "l2"):
                 self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
+            if self._key_observer is not None:
+                self._key_observer(task, key, cached)
             self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
                          "coalesced": "coalesced"}[tier])  # fmt: skip
         now = self._clock()

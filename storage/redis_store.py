@@ -267,6 +267,11 @@ class RedisStore:
             return self._nodes.primaries()
         return self._call(self._nodes.primaries, TOPOLOGY_SHARD)
 
+    def on_primary(self, shard: str, command: Callable[[redis.Redis], T]) -> T:
+        """`command(client)` on one primary (a name from `primaries()`), under its breaker:
+        per-node reads such as INFO (storage.redis_health)."""
+        return self._call(lambda: command(self._nodes.node(shard)), shard)
+
     def _scan(self, shard: str, match: str) -> Iterator[list[bytes]]:
         cursor: Any = 0
         while True:

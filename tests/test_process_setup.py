@@ -51,3 +51,25 @@ def heaps(mode: str) -> int:
 def test_malloc_arenas_are_limited_before_threads_allocate() -> None:
     assert heaps("free") > 2, "8 allocating threads should spread over more than 2 arenas by default"
     assert heaps("limit") <= 2
+
+
+LOGGING_CHILD = """
+import logging, sys
+sys.path.insert(0, {root!r})
+from process_setup import configure_logging
+configure_logging()
+logging.getLogger("alembic.runtime.plugins").info("setup plugin alembic.autogenerate.schemas")
+logging.getLogger("uvicorn.error").info("Started server process")
+logging.getLogger("httpx").warning("a library warning still shows")
+logging.getLogger("runtime").info("L1: in-process LRU of 256 MiB")
+from huggingface_hub.utils import are_progress_bars_disabled
+print("bars off" if are_progress_bars_disabled() else "bars on")
+"""
+
+
+def test_start_up_log_is_the_app_s_lines_and_library_warnings_only() -> None:
+    done = subprocess.run([sys.executable, "-c", LOGGING_CHILD.format(root=str(ROOT))], capture_output=True,
+                          text=True, timeout=60, check=True)  # fmt: skip
+    assert "L1: in-process LRU of 256 MiB" in done.stderr and "a library warning still shows" in done.stderr
+    assert "setup plugin" not in done.stderr and "Started server process" not in done.stderr
+    assert done.stdout.strip() == "bars off"

@@ -23,6 +23,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Mount
 
 from admin.api import build_router
+from admin.insights_api import build_insights_router
 from admin.tab import CARD_CSS, build_admin_tab
 from api import DirectInfer, build_oip_router, oip_body_limit
 from engine.models.base import takes_image
@@ -50,6 +51,8 @@ def build_app(runtime: Runtime) -> FastAPI:
     app.include_router(
         build_router(engine=engine, admin=runtime.admin, auth=runtime.auth, metrics=runtime.metrics)
     )
+    if runtime.insights is not None:  # sizing, worth, health, CSV downloads (admin.insights_api)
+        app.include_router(build_insights_router(insights=runtime.insights, auth=runtime.auth))
     oip_limit = oip_body_limit(settings.max_upload_bytes)
     app.include_router(build_oip_router(engine, max_body_bytes=oip_limit))
     # REST infer calls skip FastAPI's routing and middleware when served by ServingApp.
@@ -57,7 +60,9 @@ def build_app(runtime: Runtime) -> FastAPI:
     demo = build_demo(
         engine,
         max_upload_bytes=settings.max_upload_bytes,
-        admin_tab=lambda: build_admin_tab(runtime.admin, runtime.auth, clients=runtime.client_activity),
+        admin_tab=lambda: build_admin_tab(
+            runtime.admin, runtime.auth, clients=runtime.client_activity, insights=runtime.insights
+        ),
     )
     # Classify events set their own limits (see ui.app_ui._miss_lane); the console's run one at a time.
     demo.queue(max_size=QUEUE_MAX_SIZE, default_concurrency_limit=1)
@@ -252,7 +257,8 @@ def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -
     serving = ServingApp(settings, build_runtime=build_runtime, build_app=build_app, on_failure=stop)
     # Open event streams (a browser tab, a gradio_client) must not hold a redeploy hostage.
     config = uvicorn.Config(
-        serving, host=settings.host, port=settings.port, log_level="info", lifespan="on",
+        # Warnings only: ui.startup logs the one "ready: serving on" line a newcomer needs.
+        serving, host=settings.host, port=settings.port, log_level="warning", lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=limited_http_protocol(HeaderLimits.from_settings(settings)),
         # Whose X-Forwarded-For names the client: the miss budget's identity (engine.fairness).

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from starlette.routing import Mount
 
 from admin.auth import AdminAuth
+from admin.insights import Insights
 from admin.metrics import Metrics
 from admin.service import AdminService
 from engine.errors import ModelLoadError
@@ -59,6 +60,7 @@ class Runtime(Protocol):
     admin: AdminService
     auth: AdminAuth
     metrics: Metrics
+    insights: Insights | None
 
     def wait_for_l2(self, timeout_s: float) -> bool: ...
 
