@@ -299,7 +299,7 @@ def _insights(
         sampler = KeySampler(
             sizer=lambda key, value: len(codec.encode(value, key=key)) + len(key),  # as L1 counts it
             max_keys=settings.sizing_max_keys, l1_ttl_s=settings.cache_l1_ttl_s,
-            l2_ttl_s=settings.cache_ttl_s,
+            l2_ttl_s=settings.cache_ttl_s, cpu_share=settings.sizing_cpu_share,
         )  # fmt: skip
         engine.observe_keys(sampler.observe)
         sampler.start()

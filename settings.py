@@ -351,6 +351,10 @@ class Settings:
     # Keys each sizing profile tracks (engine.key_sampler): bounds its memory (~300 B a key)
     # and CPU; 0 turns the sizing curves off.
     sizing_max_keys: int = 4096
+    # Share of one core the sizing sampler's background updates may take (engine.key_sampler's
+    # CpuBudget): past it the sampling rate falls, so a hit's cost stays bounded at any request
+    # rate; 0: no CPU bound (SIZING_MAX_KEYS alone bounds it).
+    sizing_cpu_share: float = 0.02
 
     def miss_concurrency_for(self, device: str) -> int:
         """The miss limit for a model on `device` ("cpu", "cuda:0", ...)."""
@@ -430,4 +434,5 @@ class Settings:
             hard_examples_cpu_share=_rate(env, "HARD_EXAMPLES_CPU_SHARE", 0.01),
             model_cost_per_hour=_float(env, "MODEL_COST_PER_HOUR", 0.0, minimum=0.0),
             sizing_max_keys=_int(env, "SIZING_MAX_KEYS", 4096, minimum=0),
+            sizing_cpu_share=_rate(env, "SIZING_CPU_SHARE", 0.02),
         )

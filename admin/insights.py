@@ -76,6 +76,11 @@ class Insights:
         self._devices = devices
         self._clock = clock
 
+    @property
+    def sampler(self) -> KeySampler | None:
+        """The sizing curves' key sampler (None: SIZING_MAX_KEYS=0), for its cost counters."""
+        return self._sampler
+
     def redis_nodes(self) -> list[NodeHealth] | None:
         """INFO of every primary; None without L2."""
         store = self._engine.l2_store()

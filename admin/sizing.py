@@ -9,6 +9,7 @@ limit), and the smallest of those sizes that reaches 95 % of the best ratio on t
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from engine.key_sampler import HOUR_S, KEEP_HOURS, OVERALL, KeySampler, ReuseProfile, hit_ratios
@@ -75,4 +76,6 @@ def sizing_report(
         "tasks": {task: profile_report(p, **args) for task, p in sorted(profiles.items()) if task != OVERALL},
         "overall": profile_report(profiles[OVERALL], **args),
         "method": "SHARDS sampled reuse distances (bytes); LRU; a reuse later than the tier's TTL is a miss",
+        # The sampler's own cost: its CPU budget's rate, uses dropped on a full queue, CPU seconds.
+        "sampler": asdict(sampler.stats()),
     }

@@ -14,14 +14,20 @@ of C bytes exactly when the bytes of the distinct entries used since its previou
 own included, fit in C. A reuse later than the tier's TTL counts as a miss at every size.
 The L2 distance adds Redis's per-entry overhead to each entry.
 
-The hook on the request path (`observe`) only queues the use; the profiles are updated off it
-(`KeySampler`): a hash compare for an unsampled key, a few microseconds for a sampled one (three
-Fenwick-tree steps over packed size/count sums), in each of two profiles.
+The hook on the request path (`observe`) counts the request, compares the key's hash with the
+sampling threshold and queues only a sampled use; the profiles are updated off it (`KeySampler`),
+about 5 µs a sampled use in each of two profiles (three Fenwick-tree steps over packed size/count
+sums). That background work has a CPU budget (`cpu_share` of one core, `CpuBudget`): when the
+key rate × the cost of a sample would exceed it, the threshold is lowered exactly as when too
+many keys are tracked (spatially, never by skipping uses in time, which would lengthen reuse
+distances), so the cost per request stays bounded at any rate while a demo's traffic (a few
+hundred requests a second) is sampled whole.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 import threading
@@ -30,6 +36,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.sampler_budget import CpuBudget
 
 HASH_SPACE = 1 << 32
 BIN_RATIO = 1.03  # distance histogram bins: ±1.5 % of a size, finer than any curve step
@@ -118,12 +126,14 @@ class _Counts:
 
     requests: int = 0
     weight: float = 0.0  # sampled references, each weighted 1/R
+    lost: float = 0.0  # sampled references dropped on a full queue, weighted 1/R: not estimated
     l1: dict[int, float] = field(default_factory=dict)  # distance bin -> weight of hits
     l2: dict[int, float] = field(default_factory=dict)
 
     def merge(self, other: _Counts) -> None:
         self.requests += other.requests
         self.weight += other.weight
+        self.lost += other.lost
         for mine, theirs in ((self.l1, other.l1), (self.l2, other.l2)):
             for index, w in theirs.items():
                 mine[index] = mine.get(index, 0.0) + w
@@ -152,12 +162,30 @@ class ReuseProfile:
     def rate(self) -> float:
         return self._threshold / HASH_SPACE
 
-    def observe(self, key: str, h: int, now: float, size_of: Callable[[], int]) -> None:
+    @property
+    def threshold(self) -> int:
+        return self._threshold
+
+    def add_requests(self, count: int, now: float, lost: float = 0.0) -> None:
+        """`count` requests of this stream (sampled or not); `lost`: the weight of those queued
+        for the sample but dropped on a full queue (it leaves the estimate, not skew it)."""
         with self._lock:
             counts = self._bucket(now)
-            counts.requests += 1
+            counts.requests += count
+            counts.lost += lost
+
+    def lower(self, threshold: int) -> None:
+        """Sample under `threshold` from now on (never raised): keys above it are forgotten."""
+        with self._lock:
+            if threshold < self._threshold:
+                self._threshold = max(1, threshold)
+                self._forget_above(self._threshold)
+
+    def observe(self, key: str, h: int, now: float, size_of: Callable[[], int]) -> None:
+        with self._lock:
             if h >= self._threshold:
                 return
+            counts = self._bucket(now)
             weight = HASH_SPACE / self._threshold
             counts.weight += weight
             tracked = self._keys.get(key)
@@ -186,12 +214,14 @@ class ReuseProfile:
         heapq.heappush(self._heap, (-h, key))
         while len(self._keys) > self._max_keys:
             # Lower the threshold to the largest tracked hash: that key (and any equal) leaves.
-            top = -self._heap[0][0]
-            self._threshold = top
-            while self._heap and -self._heap[0][0] >= top:
-                _, gone = heapq.heappop(self._heap)
-                dropped = self._keys.pop(gone)
-                self._tree.add(dropped.stamp, -(dropped.size + _COUNT_UNIT))
+            self._threshold = -self._heap[0][0]
+            self._forget_above(self._threshold)
+
+    def _forget_above(self, threshold: int) -> None:
+        while self._heap and -self._heap[0][0] >= threshold:
+            _, gone = heapq.heappop(self._heap)
+            dropped = self._keys.pop(gone)
+            self._tree.add(dropped.stamp, -(dropped.size + _COUNT_UNIT))
 
     def _stamp(self) -> int:
         if self._next > self._capacity:  # renumber the live stamps 1..n, in order of last use
@@ -239,26 +269,53 @@ class ReuseProfile:
 
 def hit_ratios(counts: _Counts, histogram: dict[int, float], sizes: Iterable[int]) -> list[float]:
     """The estimated hit ratio at each cache size (bytes), SHARDS_adj-corrected."""
-    if counts.requests == 0:
+    seen = counts.requests - counts.lost  # the requests the sample stands for
+    if seen <= 0:
         return [0.0 for _ in sizes]
     # The requests the sample missed or over-counted are put at the smallest distance.
-    shortfall = counts.requests - counts.weight
+    shortfall = seen - counts.weight
     ordered = sorted(histogram.items())
     out = []
     for size in sizes:
         hits = sum(w for index, w in ordered if _bin_bytes(index) <= size)
-        out.append(min(1.0, max(0.0, (hits + (shortfall if hits > 0 else 0.0)) / counts.requests)))
+        out.append(min(1.0, max(0.0, (hits + (shortfall if hits > 0 else 0.0)) / seen)))
     return out
+
+
+class _TaskGate:
+    """What the request path needs of a task: its request count and its sampling threshold
+    (one lookup; the threshold is replaced by the catch-up, read without a lock)."""
+
+    __slots__ = ("count", "threshold")
+
+    def __init__(self, threshold: int) -> None:
+        self.count = itertools.count()  # next() is atomic under the GIL: exact, and no lock
+        self.threshold = threshold
+
+
+@dataclass(frozen=True)
+class SamplerStats:
+    """A snapshot of the sampler's own counters (the cost side of the sizing curves)."""
+
+    rate_cap: float  # the CPU budget's sampling rate (1: every key it is offered)
+    applied: int  # sampled uses applied to the profiles
+    dropped: int  # sampled uses dropped on a full queue
+    cpu_s: float  # CPU the profiles' updates took
+    queued: int
 
 
 class KeySampler:
     """The engine's key-stream hook (`observe`): a profile per task and one of all tasks.
 
-    The request path only queues (task, key, value, time): about a microsecond. The profiles
-    are updated off it, by `start()`'s thread in small batches that yield between them (so a
-    request never waits long for the GIL), or by whoever reads them (`profiles()` catches up
-    first). A queue that falls `max_queue` behind drops references and counts them.
-    `sizer(key, value)` gives an entry's L1 bytes; it is called once per newly sampled key.
+    The request path counts the request (an atomic `itertools.count`, no lock to contend for),
+    compares the key's hash with its task's threshold and queues (task, key, value, time) only
+    under it: a fraction of a microsecond either way. The profiles are updated off it, by
+    `start()`'s thread every `period_s` in small batches that yield between them (so a request
+    never waits long for the GIL), or by whoever reads them (`profiles()` catches up first);
+    each catch-up then lets `CpuBudget` lower the threshold if the updates took more than
+    `cpu_share` of a core (`cpu_clock`: this thread's CPU time). A queue `max_queue` long drops
+    further sampled uses, counts them and lowers the threshold. `sizer(key, value)` gives an
+    entry's L1 bytes; it is called once per newly sampled key.
     """
 
     def __init__(
@@ -268,41 +325,96 @@ class KeySampler:
         max_keys: int = 4096,
         l1_ttl_s: float = math.inf,
         l2_ttl_s: float = math.inf,
+        cpu_share: float = 0.02,
         clock: Callable[[], float] = time.time,
-        max_queue: int = 100_000,
+        cpu_clock: Callable[[], float] = time.thread_time,
+        max_queue: int = 16_384,
         period_s: float = 0.5,
+        budget_window_s: float = 2.0,
     ) -> None:
         self._sizer = sizer
         self._options = {"max_keys": max_keys, "l1_ttl_s": l1_ttl_s, "l2_ttl_s": l2_ttl_s}
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self._profiles: dict[str, ReuseProfile] = {OVERALL: ReuseProfile(**self._options)}
         self._queue: deque[tuple[str, str, Any, float]] = deque()
         self._max_queue = max_queue
         self._period_s = period_s
+        self._budget = CpuBudget(cpu_share, window_s=budget_window_s, start=clock(), squeeze_gap_s=period_s,
+                                 full=HASH_SPACE)  # fmt: skip
+        self._tasks: dict[str, _TaskGate] = {}  # read by the request path without a lock
+        self._gate = HASH_SPACE  # a task not seen yet
+        self._reads: dict[str, int] = {}  # how often the drain read each counter (a read counts too)
+        self._counted: dict[str, int] = {}  # requests already added to the profiles
+        self._overflow: dict[str, float] = {}  # task -> weight of queued uses dropped, not counted
+        self._overflow_lock = threading.Lock()  # taken only on a full queue
         self._drain_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._applied = 0
+        self._cpu_s = 0.0
         self.dropped = 0
 
     def observe(self, task: str, key: str, value: Any) -> None:
-        """One use of cache key `key` (any tier), on the request path: queued, never raises."""
+        """One use of cache key `key` (any tier), on the request path: never raises."""
+        entry = self._tasks.get(task)
+        if entry is None:
+            entry = self._tasks.setdefault(task, _TaskGate(self._gate))
+        next(entry.count)
+        gate = entry.threshold
+        try:
+            h = int(key[-8:], 16)  # key_hash inlined: this runs on every hit
+        except ValueError:
+            h = key_hash(key)
+        if h >= gate:
+            return  # outside the sample: its only cost was the count and this compare
         if len(self._queue) >= self._max_queue:
-            self.dropped += 1  # the background thread fell behind: this use is not sampled
+            with self._overflow_lock:  # the thread fell far behind: rare, so a lock is fine
+                # 1/R of the gate: in each profile, the expected weight of the lost use (a
+                # profile sampling under a lower threshold would have kept it that much less
+                # often, and weighted it that much more).
+                self._overflow[task] = self._overflow.get(task, 0.0) + HASH_SPACE / gate
+                self.dropped += 1
             return
         self._queue.append((task, key, value, self._clock()))
 
     def drain(self, batch: int = 64) -> None:
-        """Apply every queued use to the profiles, `batch` at a time, yielding between batches."""
+        """Apply every queued use to the profiles, `batch` at a time, yielding between batches;
+        add the requests counted since, then let the CPU budget lower the rate."""
         with self._drain_lock:
+            started = self._cpu_clock()
             while self._queue:
-                for _ in range(min(batch, len(self._queue))):
-                    self._apply(*self._queue.popleft())
+                applied = 0
+                while applied < batch and self._queue:
+                    use = self._queue.popleft()
+                    # Queued under a threshold since lowered: skipped here, not counted in the
+                    # batch, so a backlog left by an overflow clears between two yields.
+                    if key_hash(use[1]) < self._gate_of(use[0]):
+                        self._apply(*use)
+                        applied += 1
+                if self.dropped != self._budget.dropped:
+                    # Overflowing: lower the rate now, not after the backlog (which the lower
+                    # threshold then mostly skips at a hash compare each).
+                    self._govern(self._clock())
                 time.sleep(0)  # let a request thread take the GIL
+            now = self._clock()
+            self._count_requests(now)
+            self._cpu_s += self._cpu_clock() - started
+            self._govern(now)
 
-    def _apply(self, task: str, key: str, value: Any, now: float) -> None:
+    def _gate_of(self, task: str) -> int:
+        entry = self._tasks.get(task)
+        return self._gate if entry is None else entry.threshold
+
+    def _profile(self, task: str) -> ReuseProfile:
         profile = self._profiles.get(task)
         if profile is None:
             profile = self._profiles[task] = ReuseProfile(**self._options)
+            profile.lower(self._budget.threshold)
+        return profile
+
+    def _apply(self, task: str, key: str, value: Any, now: float) -> None:
+        profile = self._profile(task)
         h = key_hash(key)
         size: list[int] = []
 
@@ -311,11 +423,41 @@ class KeySampler:
                 size.append(int(self._sizer(key, value)))
             return size[0]
 
+        self._applied += 1
         try:
             profile.observe(key, h, now, size_of)
             self._profiles[OVERALL].observe(key, h, now, size_of)
         except Exception:  # telemetry: a bad value is skipped, the sampler goes on
             log.exception("key sampler failed on a %s key", task)
+
+    def _count_requests(self, now: float) -> None:
+        """Requests are counted in the bucket of the catch-up that adds them (within
+        `period_s` of their time): reading a count costs the request path nothing."""
+        for task, entry in self._tasks.copy().items():
+            reads = self._reads.get(task, 0)
+            total = next(entry.count) - reads  # each earlier read of ours advanced it by one
+            self._reads[task] = reads + 1
+            new = total - self._counted.get(task, 0)
+            self._counted[task] = total
+            with self._overflow_lock:
+                lost = self._overflow.pop(task, 0.0)
+            if new or lost:
+                self._profile(task).add_requests(new, now, lost)
+                self._profiles[OVERALL].add_requests(new, now, lost)
+
+    def _govern(self, now: float) -> None:
+        before = self._budget.threshold
+        current = max((e.threshold for e in self._tasks.values()), default=self._gate)
+        cap = self._budget.record(now=now, cpu_s=self._cpu_s, dropped=self.dropped, current=current)
+        if cap < before:
+            log.info("key sampler: sampling rate lowered to %.4f to keep its CPU under %.1f %% of a core",
+                     cap / HASH_SPACE, 100 * self._budget.share)  # fmt: skip
+            for profile in self._profiles.values():
+                profile.lower(cap)
+        overall = self._profiles[OVERALL].threshold
+        for task, entry in self._tasks.copy().items():
+            entry.threshold = max(self._profile(task).threshold, overall)
+        self._gate = cap
 
     def start(self) -> KeySampler:
         self._thread = threading.Thread(target=self._run, name="key-sampler", daemon=True)
@@ -337,6 +479,10 @@ class KeySampler:
     def profiles(self) -> dict[str, ReuseProfile]:
         self.drain()
         return dict(self._profiles)
+
+    def stats(self) -> SamplerStats:
+        return SamplerStats(rate_cap=self._budget.threshold / HASH_SPACE, applied=self._applied,
+                            dropped=self.dropped, cpu_s=self._cpu_s, queued=len(self._queue))  # fmt: skip
 
     def now(self) -> float:
         return self._clock()

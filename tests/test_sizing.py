@@ -77,7 +77,9 @@ def test_curve_is_within_003_of_an_exact_lru_at_every_point(shape: str) -> None:
     names = {i: key_name(i) for i in set(ids)}
     stream = [names[i] for i in ids]
     sizes = {names[i]: size_of(i) for i in names}
-    sampler = KeySampler(sizer=lambda key, _value: sizes[key], max_keys=4096, clock=lambda: 1_000_000.0)
+    # The whole stream is queued before one catch-up: a queue that holds it (the bound is tested below).
+    sampler = KeySampler(sizer=lambda key, _value: sizes[key], max_keys=4096, clock=lambda: 1_000_000.0,
+                         max_queue=len(stream))  # fmt: skip
     for key in stream:
         sampler.observe("text", key, None)
     profile = sampler.profiles()["text"]
@@ -108,9 +110,10 @@ def test_a_reuse_after_the_ttl_is_a_miss_at_every_size() -> None:
 
 def test_windows_and_bounded_memory_and_cost() -> None:
     now = [10_000_000.0]
-    sampler = KeySampler(sizer=lambda _k, _v: 700, max_keys=1024, clock=lambda: now[0])
+    sampler = KeySampler(sizer=lambda _k, _v: 700, max_keys=1024, clock=lambda: now[0], max_queue=40_000)
     for i in range(100):  # two hours ago
         sampler.observe("text", key_name(i % 10), None)
+    sampler.drain()  # requests are counted at the catch-up after them (in production, within 0.5 s)
     now[0] += 7200
     keys = [key_name(i // 2) for i in range(40_000)]  # 20 000 distinct keys, each used twice
     started = time.process_time()
@@ -140,7 +143,7 @@ def test_windows_and_bounded_memory_and_cost() -> None:
 
 
 def test_report_marks_today_and_the_size_that_reaches_95pct() -> None:
-    sampler = KeySampler(sizer=lambda _k, _v: 1000, clock=lambda: 5000.0)
+    sampler = KeySampler(sizer=lambda _k, _v: 1000, clock=lambda: 5000.0, max_queue=20_000)
     for i in range(20_000):
         sampler.observe("text" if i % 2 else "image", key_name(i % 400), None)
     report = sizing_report(sampler, window_s=3600, l1_bytes=50_000, l2={"current_bytes": 400_000,
@@ -190,3 +193,93 @@ def test_engine_feeds_the_sampler_and_the_api_answers(serve, redis_server: Embed
     assert get(url + "/admin/api/sizing?window=yesterday") == (
         400, {"error": "window must be one of 5m, 1h, 24h, 7d or seconds"})  # fmt: skip
     assert get(url + "/admin/api/sizing", token=None)[0] == 401
+
+
+def budgeted(cost_s: float, now: list[float], **options: Any) -> KeySampler:
+    """A sampler whose updates cost `cost_s` of CPU each, on a clock the test moves: the CPU
+    budget's decisions are then exact, not timing-dependent."""
+    applied: list[KeySampler] = []
+    sampler = KeySampler(sizer=lambda _k, _v: 500, clock=lambda: now[0], budget_window_s=1.0,
+                         cpu_clock=lambda: applied[0].stats().applied * cost_s if applied else 0.0,
+                         **options)  # fmt: skip
+    applied.append(sampler)
+    return sampler
+
+
+def run_seconds(sampler: KeySampler, now: list[float], *, seconds: int, per_second: int, keys: int) -> None:
+    """`per_second` uses a second of `keys` keys in a loop, caught up every half second."""
+    n = 0
+    for _ in range(2 * seconds):
+        for _ in range(per_second // 2):
+            sampler.observe("text", key_name(n % keys), None)
+            n += 1
+        now[0] += 0.5
+        sampler.drain()
+
+
+def test_the_cpu_budget_lowers_the_rate_only_when_the_key_rate_needs_it() -> None:
+    now = [1_000_000.0]
+    # 300 requests a second at 40 µs a sampled use: 1.2 % of a core, under the 2 % budget.
+    quiet = budgeted(40e-6, now, cpu_share=0.02)
+    run_seconds(quiet, now, seconds=10, per_second=300, keys=200)
+    assert quiet.stats().rate_cap == 1.0 and quiet.profiles()["text"].rate == 1.0
+    # 10,000 a second: 40 % of a core at R = 1, so the rate falls to keep it under 2 %.
+    busy = budgeted(40e-6, now, cpu_share=0.02)
+    run_seconds(busy, now, seconds=2, per_second=10_000, keys=3000)
+    rate = busy.stats().rate_cap
+    assert 0.01 < rate < 0.05, rate  # 0.02 / 0.40 × 0.8 = 0.04
+    before = busy.stats()
+    run_seconds(busy, now, seconds=4, per_second=10_000, keys=3000)
+    after = busy.stats()
+    share = (after.cpu_s - before.cpu_s) / 4
+    assert share <= 0.02 and after.rate_cap == rate, (share, after.rate_cap)  # settled within the budget
+    profiles = busy.profiles()
+    assert all(p.rate <= rate for p in profiles.values())
+    counts, _ = profiles["text"].window(now[0], 3600)
+    assert counts.requests == 60_000  # every request counted, sampled or not
+    # Spatial, not temporal: the tracked keys are exactly those under the threshold, each
+    # with every one of its uses (3000 keys in a loop: 19 uses each after the first).
+    assert profiles["text"].tracked() == sum(1 for k in range(3000) if int(key_name(k)[-8:], 16) <
+                                             profiles["text"].threshold)  # fmt: skip
+    big = hit_ratios(counts, counts.l1, [10**9])[0]
+    assert big == pytest.approx(1 - 3000 / 60_000, abs=0.03)
+
+
+def test_keys_outside_the_sample_are_not_queued() -> None:
+    now = [1_000_000.0]
+    sampler = budgeted(1e-3, now, cpu_share=0.02)  # 1 ms a use: the budget bites at once
+    run_seconds(sampler, now, seconds=1, per_second=2000, keys=2000)
+    gate = sampler.stats().rate_cap
+    assert gate < 0.05
+    applied = sampler.stats().applied
+    for k in range(2000):
+        sampler.observe("text", key_name(k), None)
+    queued = sampler.stats().queued
+    assert queued == sum(1 for k in range(2000) if int(key_name(k)[-8:], 16) < gate * 2**32)
+    sampler.drain()
+    assert sampler.stats().applied == applied + queued
+
+
+def test_the_queue_is_bounded_and_an_overflow_lowers_the_rate() -> None:
+    now = [1_000_000.0]
+    sampler = budgeted(0.0, now, max_queue=100)  # free updates: only the overflow lowers it
+    for k in range(1000):  # the thread never ran: 900 sampled uses have no room
+        sampler.observe("text", key_name(k % 50), None)
+    stats = sampler.stats()
+    assert (stats.queued, stats.dropped) == (100, 900)
+    now[0] += 1.0
+    sampler.drain()
+    assert sampler.stats().rate_cap == 0.5  # halved
+    counts, _ = sampler.profiles()["text"].window(now[0], 3600)
+    assert counts.requests == 1000 and counts.lost == 900  # dropped, at weight 1/R = 1
+    # What was kept (two rounds of 50 keys) is estimated over the requests it stands for.
+    assert hit_ratios(counts, counts.l1, [10**9])[0] == pytest.approx(50 / 100)
+
+
+def test_sizing_cpu_share_setting() -> None:
+    from settings import Settings, SettingsError
+
+    assert Settings.from_env({}).sizing_cpu_share == 0.02
+    assert Settings.from_env({"SIZING_CPU_SHARE": "0.05"}).sizing_cpu_share == 0.05
+    with pytest.raises(SettingsError):
+        Settings.from_env({"SIZING_CPU_SHARE": "2"})
