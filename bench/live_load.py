@@ -44,6 +44,16 @@ class FixedTextModel:
         return [Prediction((("a", 0.75), ("b", 0.25))) for _ in inputs]
 
 
+def run_for(workers: list[threading.Thread], seconds: float, stop: threading.Event) -> None:
+    """Start `workers`, let them run `seconds`, set `stop` and wait for them all."""
+    for worker in workers:
+        worker.start()
+    time.sleep(seconds)
+    stop.set()
+    for worker in workers:
+        worker.join()
+
+
 def phase_parser(
     description: str, *, seconds: float, rounds: int, rounds_help: str
 ) -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.live_load import run_for
 from bench.models import MESSAGES, fmt_ms, format_table, host_load, interleaved_samples, positive_int
 from bench.redis_servers import LocalCluster, LocalSentinel
 from runtime import Runtime, build_runtime
@@ -79,12 +80,7 @@ def throughput(
 
     workers = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(threads)]
     started = time.perf_counter()
-    for worker in workers:
-        worker.start()
-    time.sleep(seconds)
-    stop.set()
-    for worker in workers:
-        worker.join()
+    run_for(workers, seconds, stop)
     elapsed = time.perf_counter() - started
     total: Counter[str] = sum(counts, Counter())
     return sum(total.values()) / elapsed, total

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from bench.live_load import run_for
 from bench.miss_overhead import InstantTextModel
 from bench.models import format_table
 from engine.key_sampler import KeySampler
@@ -80,12 +81,7 @@ def hammer(
 
     workers = [threading.Thread(target=client, args=(t, runtime, 100 * t + i))
                for t, (runtime, threads) in enumerate(targets) for i in range(threads)]  # fmt: skip
-    for worker in workers:
-        worker.start()
-    time.sleep(seconds)
-    stop.set()
-    for worker in workers:
-        worker.join()
+    run_for(workers, seconds, stop)
     return [(sum(n for n, _ in rows), sum(c for _, c in rows)) for rows in done]
 
 
