@@ -118,10 +118,11 @@ def test_a_stream_of_10000_unsure_inputs_stays_bounded(
     """Memory (held inputs) and Redis (kept inputs) bounds under 10,000 new low-confidence
     inputs; the most asked and the labelled survive, the asked-once oldest go first."""
     size = 20
-    # A forward pass of 0.2 ms, all of it credit (HARD_EXAMPLES_CPU_SHARE=1): the budget is not
-    # the subject here (see test_collection_keeps_to_its_cpu_budget).
+    # The budget is not the subject here (see test_collection_keeps_to_its_cpu_budget): a share
+    # far beyond what HARD_EXAMPLES_CPU_SHARE allows (<= 1) keeps the credit full, since at a
+    # share of 1 a 0.2 ms pass earns less than a slow machine's flush spends per example.
     runtime = make_runtime(models={"text": ConfidenceModel(delay_s=0.0002)}, redis_url=redis_server.url,
-                           hard_examples_size=size, hard_examples_cpu_share=1.0)  # fmt: skip
+                           hard_examples_size=size, hard_examples_cpu_share=100.0)  # fmt: skip
     engine, collector, hard = runtime.engine, collector_of(runtime), runtime.admin.hard_examples
     for text in ("favourite question", "labelled question"):
         for _ in range(5):
@@ -143,10 +144,9 @@ def test_a_stream_of_10000_unsure_inputs_stays_bounded(
     stream = sorted(int(t.rsplit(" ", 1)[1]) for t in kept if t.startswith("stream"))
     assert stream == list(range(10_000 - (size - 2), 10_000))  # the newest of the asked-once
     counters = collector.counters()
-    # The bound above is the guarantee; evictions are counted per flush, and on a loaded machine
-    # inputs replaced in memory before their flush never reach Redis to be evicted there.
-    assert counters["candidates"] >= 10_000 and counters["evicted"] > 0
     assert counters["over_budget"] == counters["overflow"] == 0
+    # Every asked-once input reached Redis; all but the newest were evicted there.
+    assert counters["candidates"] >= 10_000 and counters["evicted"] == 10_000 - (size - 2)
     per_example = collector.store.memory_bytes("text") / size
     assert per_example < 2_000, per_example  # a short message and its answer, not a growing set
 
