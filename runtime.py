@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine as SqlEngine
 from admin.auth import AdminAuth, generate_token
 from admin.clients import ClientActivity, FairnessCollector
 from admin.device_health import DeviceMonitor
+from admin.hard_examples import HardExamplesCollector
 from admin.insights import Insights
 from admin.metrics import Metrics
 from admin.service import AdminService, record_to_row
@@ -248,6 +249,8 @@ def build_runtime(
         client_activity = ClientActivity()  # Busiest clients; refusals and queue waits in /metrics
         engine.add_listener(client_activity.observe)
         metrics.registry.register(FairnessCollector(engine, client_activity))
+        if hard_examples is not None:
+            metrics.registry.register(HardExamplesCollector(hard_examples))
         admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet,
                              lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set,
                              hard_examples=hard_examples)  # fmt: skip

@@ -12,8 +12,11 @@ from __future__ import annotations
 import base64
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from admin.hard_examples_export import rows, to_folder_zip, to_parquet
 from engine.errors import CacheUnavailableError, InvalidInputError
@@ -34,6 +37,38 @@ Audit = Callable[[str, dict[str, Any], dict[str, Any], str], None]
 
 def _unavailable(exc: CacheUnavailableError) -> InvalidInputError:
     return InvalidInputError("redis_unavailable", f"Redis did not answer: {exc}")
+
+
+# HardExampleCounters fields that count hard answers by what became of them on this replica.
+OUTCOMES = ("kept", "evicted", "refused", "overflow", "over_budget", "too_large")
+
+
+class HardExamplesCollector(Collector):
+    """/metrics: what collection did on this replica (counts only: no input, no digest)."""
+
+    def __init__(self, collector: HardExamples) -> None:
+        self._collector = collector
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        counters = self._collector.counters()
+        yield CounterMetricFamily("infcache_hard_examples_candidates", "Answers the model was unsure of "
+                                  "(or shadow found wrong), noted by this replica",
+                                  value=counters["candidates"])  # fmt: skip
+        outcomes = CounterMetricFamily(
+            "infcache_hard_examples", "Hard examples by outcome: kept (stored), evicted (made room), "
+            "refused (set full of higher-ranked), overflow / over_budget (not held: memory bound, CPU "
+            "budget), too_large", labels=["outcome"],
+        )  # fmt: skip
+        for outcome in OUTCOMES:
+            outcomes.add_metric([outcome], counters[outcome])
+        yield outcomes
+        yield CounterMetricFamily("infcache_hard_examples_flush_cpu_seconds", "CPU seconds the flushes "
+                                  "spent (bounded by HARD_EXAMPLES_CPU_SHARE)",
+                                  value=counters["flush_cpu_s"])  # fmt: skip
+        yield CounterMetricFamily("infcache_hard_examples_redis_errors", "Flushes skipped: Redis did not "
+                                  "answer", value=counters["redis_errors"])  # fmt: skip
+        yield GaugeMetricFamily("infcache_hard_examples_held", "New hard examples held in memory until "
+                                "the next flush", value=counters["held"])  # fmt: skip
 
 
 class HardExampleAdmin:

@@ -211,6 +211,11 @@ def test_the_api_labels_skips_deletes_and_audits_without_inputs(
     runtime.log_writer.flush()
     database = Path(runtime.settings.sqlite_path).read_bytes()
     assert b"4111" not in database and b"unsure two" not in database  # inputs never in either log
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "infcache_hard_examples_candidates_total 3.0" in metrics
+    assert 'infcache_hard_examples_total{outcome="kept"} 3.0' in metrics
+    assert "infcache_hard_examples_held 0.0" in metrics
+    assert "4111" not in metrics and ids[secret] not in metrics  # counts only
 
 
 def test_export_parquet_reads_with_datasets(
@@ -289,6 +294,7 @@ def test_off_by_default_and_without_redis(make_runtime: Callable[..., Runtime],
     url, _ = serve(models={"text": ConfidenceModel()}, admin_token=TOKEN)
     off = httpx.get(f"{url}/admin/api/hard-examples", params={"task": "text"}, headers=AUTH)
     assert off.status_code == 409 and "HARD_EXAMPLES_SIZE" in off.json()["error"]
+    assert "infcache_hard_examples" not in httpx.get(f"{url}/metrics").text
 
 
 def test_console_callbacks_need_sign_in_label_and_export(
