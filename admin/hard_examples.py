@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,12 +28,19 @@ from engine.service import InferenceEngine
 
 log = logging.getLogger(__name__)
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a decoded pair is one code point: these are alone
 ACTIONS = ("label", "none", "skip", "delete")
 FORMATS = ("parquet", "imagefolder")
 THUMBNAIL_PX = 96
 DEFAULT_LIMIT = 100  # examples per listing (an image's thumbnail is decoded for each)
 MAX_LIMIT = 1000
 Audit = Callable[[str, dict[str, Any], dict[str, Any], str], None]
+
+
+def _text(value: bytes) -> str:
+    """A kept message (b"t" + its UTF-8, lone surrogates included, as typed) as text that JSON,
+    Parquet and the browser can carry: an unpaired surrogate becomes U+FFFD."""
+    return _LONE_SURROGATE.sub("\ufffd", value[1:].decode("utf-8", "surrogatepass"))
 
 
 def _unavailable(exc: CacheUnavailableError) -> InvalidInputError:
@@ -133,7 +141,7 @@ class HardExampleAdmin:
         for record in records:
             value = inputs.get(record["id"], b"")
             if value[:1] == b"t":
-                record["text"] = value[1:].decode("utf-8", "surrogatepass")
+                record["text"] = _text(value)
             elif value[:1] == b"i" and thumbnails:
                 record["thumbnail_png_base64"] = base64.b64encode(_thumbnail(value[1:])).decode()
         return {"task": task, "classes": self.classes(task), "none_label": NONE_OF_THESE,
@@ -213,7 +221,7 @@ class HardExampleAdmin:
         for record in records:
             value = inputs.get(record["id"])
             if value is not None:
-                decoded: Any = value[1:] if value[:1] == b"i" else value[1:].decode("utf-8", "surrogatepass")
+                decoded: Any = value[1:] if value[:1] == b"i" else _text(value)
                 kept.append({**record, "input": decoded})
         classes = self.classes(task)
         table = rows(kept, classes)

@@ -262,6 +262,36 @@ def test_export_parquet_reads_with_datasets(
     assert len(export_rows) == 3
 
 
+def test_a_message_with_a_lone_surrogate_is_listed_labelled_and_exported(
+    serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A hostile message ("\\ud800" in JSON) is a valid input; once kept, it must not break the
+    operator's listing, labelling or exports (JSON, Parquet and the zip carry only UTF-8)."""
+    import datasets
+    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
+                         hard_examples_size=10, admin_token=TOKEN)  # fmt: skip
+    hostile = "unsure \udc80 where \ud83d is it"
+    runtime.engine.classify("text", hostile)
+    collector_of(runtime).flush()
+    api = f"{url}/admin/api/hard-examples"
+    listing = httpx.get(api, params={"task": "text"}, headers=AUTH)
+    assert listing.status_code == 200, listing.text[:300]
+    (example,) = listing.json()["examples"]
+    assert example["text"] == "unsure \ufffd where \ufffd is it"
+    label = {"task": "text", "label": "refund"}
+    labelled = httpx.post(f"{api}/{example['id']}/label", json=label, headers=AUTH)
+    assert labelled.status_code == 200
+    parquet = httpx.get(f"{api}/export", params={"task": "text", "format": "parquet"}, headers=AUTH)
+    assert parquet.status_code == 200, parquet.text[:300]
+    (tmp_path / "hard.parquet").write_bytes(parquet.content)
+    data = datasets.load_dataset("parquet", data_files=str(tmp_path / "hard.parquet"), split="train")
+    assert data[0]["text"] == example["text"] and data[0]["operator_label"] == "refund"
+    folder = httpx.get(f"{api}/export", params={"task": "text", "format": "imagefolder"}, headers=AUTH)
+    with zipfile.ZipFile(io.BytesIO(folder.content)) as archive:
+        assert json.loads(archive.read("train.jsonl"))["text"] == example["text"]
+    assert runtime.engine.classify("text", hostile).tier == "l1"  # its cache entry is the input's own
+
+
 def test_a_shadow_mismatch_is_kept_with_both_answers(
     make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis
 ) -> None:

@@ -303,6 +303,9 @@ def file_ref(path: str, **fields: Any) -> dict[str, Any]:
     return {"path": path, "meta": dict(FILE_META), **fields}
 
 
+JSON = {"content-type": "application/json"}
+
+
 def join(data: list[Any], fn_index: int | str, session_hash: str = "s1") -> dict[str, Any]:
     """A /queue/join body; a name for `fn_index` is looked up in the app's config."""
     return {"data": data, "fn_index": fn_index, "session_hash": session_hash}
@@ -325,6 +328,8 @@ def _cases(app_url: str) -> list[tuple[str, Any, int, str]]:
         (queue, join([], "classify_text"), 422, "takes 1 input(s)"),
         (queue, join([5], "classify_image"), 422, "not a valid image value"),
         (queue, join(["x"], "classify_text", session_hash=""), 400, "session_hash must not be empty"),
+        (queue, join(["x"], "classify_text", session_hash="s\ud800"), 400, "unpaired surrogate"),
+        (call + "classify_text", {"data": ["x"], "session_hash": "\udfff"}, 400, "unpaired surrogate"),
         (queue, join(["x"], "load_example"), 422, "index of one of its"),
         (call + "classify_image", {"data": [file_ref("x.png", size="big")]}, 422, "file reference"),
         (call + "v2/classify_text", {"nope": "hi"}, 422, "`nope` is not a valid key-word argument"),
@@ -346,7 +351,8 @@ def test_requests_gradio_answers_with_a_500_get_a_4xx(served: Served, caplog) ->
         # A client of its own for each: the refusal log counts per client.
         transport = httpx.HTTPTransport(local_address=f"127.0.1.{number}")
         with httpx.Client(base_url=served.url, transport=transport, timeout=30) as client:
-            response = client.post(path, json=body)
+            # json.dumps escapes what UTF-8 cannot carry ("\ud800"), as a hostile client would.
+            response = client.post(path, content=json.dumps(body), headers=JSON)
         assert response.status_code == status, (path, body, response.text[:300])
         assert message in response.json()["detail"], response.text
     # Refused in front of Gradio with a log line, at most one per client per minute (RefusalLog):

@@ -9,6 +9,9 @@ its queue runs a cached callback's preprocessing (the probe) while the POST is s
 - a file reference to a URL (`{"path": "http://...", "meta": {"_type": "gradio.FileData"}}`):
   Gradio downloads it for the call, and its SSRF guard raises for a private address;
 - an empty `session_hash` on `/queue/join`: a KeyError once the answer is cached;
+- a `session_hash` with an unpaired surrogate ("\\ud800" in JSON): the queue's analytics
+  (a pandas frame of every recent event, Arrow strings once pyarrow is installed) raise on it
+  after each later call, with a traceback, until 10,000 other events have pushed it out;
 - `/call/v2/<api>` with an unknown API name or an unknown or missing named parameter;
 - `/component_server` with an unknown `component_id`: a KeyError.
 
@@ -16,10 +19,10 @@ its queue runs a cached callback's preprocessing (the probe) while the POST is s
 layer, so refusals carry the headers Gradio's own answers carry). For those routes it reads
 the JSON body (within a limit: ui.limits bounds bodies in front of the app, this bounds an
 app served without it), reads it with Gradio's own models, and refuses what Gradio would
-fail on: 404 for an unknown event or component, 400 for a URL file reference or an empty
-session, 422 for inputs Gradio cannot take, each with a message and a log line. Everything
-else goes to Gradio with its body replayed. A remote file is never fetched: this app
-classifies files uploaded to it.
+fail on: 404 for an unknown event or component, 400 for a URL file reference or an empty or
+unencodable session, 422 for inputs Gradio cannot take, each with a message and a log line.
+Everything else goes to Gradio with its body replayed. A remote file is never fetched: this
+app classifies files uploaded to it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 _PREDICT = re.compile(r"/gradio_api/(queue/join|call/(?!v2/)[^/]+|run/[^/]+|api/[^/]+)/?")
 _CALL_V2 = re.compile(r"/gradio_api/call/v2/([^/]+)/?")
 _COMPONENT_SERVER = re.compile(r"/gradio_api/component_server/?")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 NOT_AN_UPLOAD = (
     "This app classifies files uploaded to it and does not fetch URLs: POST the file to "
     "/gradio_api/upload and pass the path it answers."
@@ -113,6 +117,8 @@ class GradioGuard:
             return  # Gradio's own 422
         if body.session_hash == "":
             raise Refusal(400, "session_hash must not be empty.")
+        if body.session_hash is not None and _LONE_SURROGATE.search(body.session_hash):
+            raise Refusal(400, "session_hash must be text UTF-8 can carry (it has an unpaired surrogate).")
         fn_index = getattr(body, "fn_index", None)
         if fn_index is not None and kind != "call":
             fn = self._blocks.fns.get(fn_index)
