@@ -1,7 +1,8 @@
 """The hard-example loop end to end with tiny user models (bench.tiny_models, random weights, so
 every answer is unsure): requests over REST, the unsure ones kept, labelled by the operator
 through the API, exported, fine-tuned with the README's own example, copied into the task's
-folder, reloaded live, and the labelled messages now get the operator's labels."""
+folder, reloaded live, and the labelled messages (and, with the README's image example, the
+labelled pictures) now get the operator's labels."""
 
 from __future__ import annotations
 
@@ -30,12 +31,27 @@ MESSAGES = ("where is my money", "the box came broken", "hello there friend", "r
             "my parcel is late again", "good morning to the team")  # fmt: skip
 
 
-def readme_finetune_example() -> str:
-    """The fine-tune code block of the README, as users copy it."""
+def readme_finetune_example(marker: str = "hard-examples-finetune") -> str:
+    """A fine-tune code block of the README, as users copy it."""
     text = README.read_text(encoding="utf-8")
-    match = re.search(r"<!-- hard-examples-finetune -->\n```python\n(.*?)```", text, re.S)
-    assert match, "the README's fine-tune example is missing"
+    match = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", text, re.S)
+    assert match, f"the README's fine-tune example ({marker}) is missing"
     return match.group(1)
+
+
+def run_readme_example(marker: str, export: Path, model_dir: Path, readme_paths: str) -> None:
+    """The README's example with its two paths replaced by these, run from the current folder."""
+    code = readme_finetune_example(marker).replace(readme_paths, f"export, model_dir = {str(export)!r}, "
+                                                                 f"{str(model_dir)!r}")  # fmt: skip
+    assert str(export) in code
+    exec(compile(code, f"README.md ({marker})", "exec"), {"__name__": "readme_example"})
+
+
+def reload(url: str, task: str) -> str:
+    answer = httpx.post(f"{url}/admin/api/models/{task}/reload", json={"note": "hard examples"},
+                        headers=AUTH, timeout=60)  # fmt: skip
+    assert answer.status_code == 200 and answer.json()["changed"], answer.text
+    return answer.json()["version"]
 
 
 @pytest.fixture
@@ -94,30 +110,24 @@ def test_label_export_finetune_reload(served: tuple[str, Runtime], tmp_path: Pat
     parquet.write_bytes(export.content)
 
     model_dir = runtime.settings.models_config.parent / "sentiment"  # type: ignore[union-attr]
-    code = readme_finetune_example().replace(
-        'export, model_dir = "hard-examples-sentiment.parquet", "/data/models/sentiment"',
-        f"export, model_dir = {str(parquet)!r}, {str(model_dir)!r}",
-    )
-    assert str(parquet) in code
     monkeypatch.chdir(tmp_path)  # the Trainer's output folder
-    exec(compile(code, "README.md (fine-tune example)", "exec"), {"__name__": "readme_example"})
+    run_readme_example("hard-examples-finetune", parquet, model_dir,
+                       'export, model_dir = "hard-examples-sentiment.parquet", "/data/models/sentiment"')
 
-    reload = httpx.post(f"{url}/admin/api/models/sentiment/reload", json={"note": "hard examples"},
-                        headers=AUTH, timeout=60)  # fmt: skip
-    assert reload.status_code == 200 and reload.json()["changed"], reload.text
+    version = reload(url, "sentiment")
     for text in MESSAGES:
         label, info = infer(url, "sentiment", text)
-        assert info["model_version"] == reload.json()["version"]
+        assert info["model_version"] == version
         assert label == wanted[text], (text, label, wanted[text])
     runtime.hard_examples.flush()  # the console now shows the new model's answer beside the label
     after = {e["text"]: e for e in runtime.admin.hard_examples.listing("sentiment")["examples"]}
     assert {t: (e["labels"][0][0], e["label"], e["model_version"]) for t, e in after.items()} == {
-        t: (wanted[t], wanted[t], reload.json()["version"]) for t in MESSAGES}
+        t: (wanted[t], wanted[t], version) for t in MESSAGES}
     assert all(e["asked"] == 2 and e["state"] == "labelled" for e in after.values())
 
 
-def test_images_kept_as_png_and_exported_as_an_imagefolder(
-    served: tuple[str, Runtime], tmp_path: Path
+def test_images_kept_as_png_exported_and_fine_tuned(
+    served: tuple[str, Runtime], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import datasets
     import numpy as np
@@ -145,8 +155,11 @@ def test_images_kept_as_png_and_exported_as_an_imagefolder(
     assert picture.size == (48, 40) and set(answer) <= set(IMAGE_LABELS)
     assert classes["choices"] == [*IMAGE_LABELS, "none of these"]
     hard = runtime.admin.hard_examples
-    hard.act("photo", examples[0]["id"], action=None, label=IMAGE_LABELS[1], actor="test")
-    hard.act("photo", examples[1]["id"], action=None, label=IMAGE_LABELS[3], actor="test")
+    # The operator's labels: classes the model did not answer, so the fine-tune has to learn them.
+    preferred = ((examples[0], IMAGE_LABELS[1:3]), (examples[1], (IMAGE_LABELS[3], IMAGE_LABELS[0])))
+    wanted = {e["id"]: next(c for c in prefer if c != e["labels"][0][0]) for e, prefer in preferred}
+    for ident, label in wanted.items():
+        hard.act("photo", ident, action=None, label=label, actor="test")
     hard.act("photo", examples[2]["id"], action="none", label=None, actor="test")
     answer = httpx.get(f"{url}/admin/api/hard-examples/export", headers=AUTH, timeout=30,
                        params={"task": "photo", "format": "imagefolder"})  # fmt: skip
@@ -157,7 +170,7 @@ def test_images_kept_as_png_and_exported_as_an_imagefolder(
     data = datasets.load_dataset("imagefolder", data_dir=str(folder), split="train")
     assert data.num_rows == 2  # "none of these" has no folder to go in
     names = data.features["label"].names
-    assert sorted(names[r["label"]] for r in data) == sorted([IMAGE_LABELS[1], IMAGE_LABELS[3]])
+    assert sorted(names[r["label"]] for r in data) == sorted(wanted.values())
     assert {r["image"].size for r in data} == {(48, 40)}
 
     parquet = httpx.get(f"{url}/admin/api/hard-examples/export", params={"task": "photo"}, headers=AUTH)
@@ -165,3 +178,19 @@ def test_images_kept_as_png_and_exported_as_an_imagefolder(
     table = datasets.load_dataset("parquet", data_files=str(tmp_path / "photo.parquet"), split="train")
     assert table.num_rows == 3 and table.features["label"].names == list(IMAGE_LABELS)
     assert sorted(r["image"].size for r in table) == [(48, 40)] * 3
+
+    # The README's image example on the labelled ones; reloaded, the model answers the labels.
+    labelled = httpx.get(f"{url}/admin/api/hard-examples/export", params={"task": "photo"}, headers=AUTH)
+    export = tmp_path / "hard-examples-photo.parquet"
+    export.write_bytes(labelled.content)
+    model_dir = runtime.settings.models_config.parent / "photo"  # type: ignore[union-attr]
+    monkeypatch.chdir(tmp_path)  # the Trainer's output folder
+    run_readme_example("hard-examples-finetune-image", export, model_dir,
+                       'export, model_dir = "hard-examples-photo.parquet", "/data/models/photo"')
+    version = reload(url, "photo")
+    for picture in pictures:
+        ident = runtime.engine.entry_key("photo", picture).rsplit(":", 1)[-1]
+        if ident in wanted:
+            answer = runtime.engine.classify("photo", picture)
+            assert answer.tier == "miss" and answer.model_version == version
+            assert answer.prediction.labels[0][0] == wanted[ident]
