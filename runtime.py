@@ -24,6 +24,7 @@ from engine.codec import ValueCodec
 from engine.fairness import MissBudget
 from engine.fleet import FleetMember
 from engine.fleet_flight import FleetFlight
+from engine.forwarding import Forwarding
 from engine.generation import LocalGeneration, RedisGeneration
 from engine.hard_examples import HardExamples
 from engine.key_sampler import KeySampler
@@ -91,6 +92,8 @@ class Runtime:
     warm_set: WarmSet | None = None  # WARM_SET_SIZE > 0 with Redis: warm-up (engine.warmup)
     torch_threads: TorchThreads | None = None  # torch's pool for the models served (onnx_backend)
     client_activity: ClientActivity | None = None  # the console's Busiest clients (admin.clients)
+    # Who a request is from behind proxies (engine.forwarding); ServingApp applies it to each request.
+    forwarding: Forwarding | None = None
     hard_examples: HardExamples | None = None  # HARD_EXAMPLES_SIZE > 0 with Redis (engine.hard_examples)
     insights: Insights | None = None  # sizing, worth, Redis/GPU health, CSV (admin.insights)
 
@@ -246,7 +249,9 @@ def build_runtime(
         engine.add_listener(writer.submit)
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
-        client_activity = ClientActivity()  # Busiest clients; refusals and queue waits in /metrics
+        forwarding = Forwarding(settings.forwarded_allow_ips, settings.forwarded_trusted_hops)
+        # Busiest clients, untrusted proxies; refusals and queue waits in /metrics
+        client_activity = ClientActivity(forwarding)
         engine.add_listener(client_activity.observe)
         metrics.registry.register(FairnessCollector(engine, client_activity))
         if hard_examples is not None:
@@ -261,7 +266,7 @@ def build_runtime(
             settings=settings, engine=engine, l2_url=l2_url, admin=admin, auth=auth, metrics=metrics,
             log_writer=writer, _stack=stack, fleet=fleet, lifecycle=lifecycle, warm_set=warm_set,
             torch_threads=torch_threads, client_activity=client_activity, hard_examples=hard_examples,
-            insights=insights,
+            insights=insights, forwarding=forwarding,
         )  # fmt: skip
     except BaseException:
         stack.close()

@@ -239,6 +239,11 @@ def _confirm_bound(env: Mapping[str, str]) -> float:
     return value
 
 
+def _on_a_space(env: Mapping[str, str]) -> bool:
+    """Hugging Face Spaces set SPACE_ID in every Space's environment."""
+    return bool(env.get("SPACE_ID", "").strip())
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -336,6 +341,10 @@ class Settings:
     client_miss_burst: int = CLIENT_MISS_BURST
     # Peers whose X-Forwarded-For names the client (uvicorn's setting and default); "*": any.
     forwarded_allow_ips: str = FORWARDED_ALLOW_IPS
+    # Proxies in front that append the client's address to X-Forwarded-For, whatever their
+    # address (engine.forwarding): the client is the entry this many from the right. 0: none;
+    # on a Space (SPACE_ID set) 1, the platform's front.
+    forwarded_trusted_hops: int = 0
     # Hard examples (engine.hard_examples): inputs per task the model was unsure of (top score
     # below HARD_EXAMPLE_MAX_SCORE or top-two margin below HARD_EXAMPLE_MIN_MARGIN, or shadow
     # verification disagreed), kept in Redis for HARD_EXAMPLES_TTL_S to be labelled; 0: off.
@@ -427,6 +436,7 @@ class Settings:
             client_miss_rate=_float(env, "CLIENT_MISS_RATE", CLIENT_MISS_RATE, minimum=0.0),
             client_miss_burst=_int(env, "CLIENT_MISS_BURST", CLIENT_MISS_BURST, minimum=1),
             forwarded_allow_ips=env.get("FORWARDED_ALLOW_IPS", "").strip() or FORWARDED_ALLOW_IPS,
+            forwarded_trusted_hops=_int(env, "FORWARDED_TRUSTED_HOPS", int(_on_a_space(env)), minimum=0),
             hard_examples_size=_int(env, "HARD_EXAMPLES_SIZE", 0, minimum=0),
             hard_examples_ttl_s=_int(env, "HARD_EXAMPLES_TTL_S", 7 * 86_400, minimum=1),
             hard_example_max_score=_rate(env, "HARD_EXAMPLE_MAX_SCORE", 0.5),

@@ -17,6 +17,7 @@ from cachetools import LRUCache
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.forwarding import Forwarding
 from engine.service import InferenceEngine, RequestRecord
 
 KEEP_S = 7 * 86400.0  # the console's longest window
@@ -38,11 +39,13 @@ class ClientActivity:
 
     def __init__(
         self,
+        forwarding: Forwarding | None = None,
         *,
         clock: Callable[[], float] = time.time,
         keep_s: float = KEEP_S,
         max_clients: int = MAX_CLIENTS,
     ) -> None:
+        self.forwarding = forwarding  # its untrusted proxies are shown above the table
         self._clock = clock
         self._keep_s = keep_s
         self._lock = threading.Lock()
@@ -129,3 +132,10 @@ class FairnessCollector(Collector):
             seconds.add_metric([task, str(depth)], total_s)
         yield waits
         yield seconds
+        admissions = CounterMetricFamily("infcache_miss_admissions", "Misses by admission decision "
+                                         "(engine.admission): budget (within it), idle (past it, nobody "
+                                         "else waiting), one_per_turn (past it, its only waiting miss), "
+                                         "refused", labels=["task", "decision"])  # fmt: skip
+        for (task, decision), count in sorted(state["admissions"].items()):
+            admissions.add_metric([task, decision], count)
+        yield admissions

@@ -235,7 +235,7 @@ async def _serve_infer(
     for name, value in scope["headers"]:
         if name in _WANTED_HEADERS and name not in headers:  # the first, as Starlette's Headers
             headers[name.decode("latin-1")] = value.decode("latin-1")
-    client = client_id((scope.get("client") or ("",))[0])  # after uvicorn's proxy-headers step
+    client = client_id((scope.get("client") or ("",))[0])  # as engine.forwarding left it
     try:
         content, header_length = await _infer(engine, params["model"], params.get("version"), headers,
                                               receive, max_body_bytes, max_batch, client)  # fmt: skip

@@ -37,10 +37,11 @@ class BatchedPrediction(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("answer", "arrived", "depth", "done", "error", "item")
+    __slots__ = ("answer", "arrived", "client", "depth", "done", "error", "item")
 
-    def __init__(self, item: Any) -> None:
+    def __init__(self, item: Any, client: str | None) -> None:
         self.item = item
+        self.client = client
         self.arrived = time.perf_counter()
         self.depth = 0  # misses waiting or running when it arrived
         self.done = False
@@ -56,13 +57,15 @@ class MicroBatcher:
         model: Classifier,
         *,
         max_batch: int,
-        on_pass: Callable[[int], None] | None = None,
+        on_pass: Callable[[list[str | None]], None] | None = None,
         waits: QueueWaits | None = None,
     ) -> None:
         if max_batch < 2:
             raise ValueError("max_batch must be >= 2 (1 means: do not batch)")
         self._model = model
-        self._on_pass = on_pass  # told each forward pass's size (for the batch-size histogram)
+        # Told each forward pass's clients (None: the app's own), one per input: the batch-size
+        # histogram and the contended shares (engine.admission).
+        self._on_pass = on_pass
         self._max_batch = max_batch
         self._cond = threading.Condition()
         self._waiting: FairQueue[_Waiter] = FairQueue()
@@ -75,7 +78,7 @@ class MicroBatcher:
 
     def predict(self, item: Any, client: str | None = None) -> BatchedPrediction:
         """The model's prediction for one canonical input (raises what the model raised)."""
-        waiter = _Waiter(item)
+        waiter = _Waiter(item, client)
         with self._cond:
             waiter.depth = len(self._waiting) + self._running
             self._waiting.push(client or "", waiter)
@@ -108,7 +111,7 @@ class MicroBatcher:
     def _run(self, batch: Sequence[_Waiter]) -> None:
         started = time.perf_counter()
         if self._on_pass is not None:
-            self._on_pass(len(batch))
+            self._on_pass([w.client for w in batch])
         try:
             predictions = self._model.predict_batch([w.item for w in batch])
             if len(predictions) != len(batch):

@@ -65,7 +65,7 @@ class OverBudgetError(InferenceCacheError):
         self.wait_s = max(1, int(-(-retry_after_s // 1)))  # whole seconds, rounded up
         self.first = False  # the client's first refusal in a while (one log line, not one per miss)
         self.message = (
-            "Too many new inputs from your address in a short time; answers already cached still "
-            f"work; try again in {self.wait_s} s."
+            "Too many new inputs from your address at once while others wait for the model; answers "
+            f"already cached still work; try again in {self.wait_s} s."
         )
         super().__init__(self.message)

@@ -1,14 +1,16 @@
 """Fairness for a public demo: who a client is, a miss budget per client, fair queueing.
 
 - **Who.** The doors (ui/, api/) name each request's client by `client_id(host)`: the
-  connection's address, which uvicorn's proxy-headers step has already replaced with the
-  `X-Forwarded-For` client when the connection came from a trusted proxy
-  (FORWARDED_ALLOW_IPS). An IPv6 client is its /64 (one host holds a whole /64). Requests
-  made by the app itself (warm-up, shadow verification) have no client and no budget.
-- **Budget.** `MissBudget.take(client)` is asked only when a request is about to run the
+  address the request is from (engine.forwarding: the connection's, or what a proxy the
+  settings trust wrote in `X-Forwarded-For`). An IPv6 client is its /64 (one host holds a
+  whole /64). Requests made by the app itself (warm-up, shadow verification) have no client
+  and no budget.
+- **Budget.** `MissBudget.spend(client)` is asked only when a request is about to run the
   model: hits, coalesced answers and remembered rejections never reach it. One token per
   miss, `rate` a second up to `burst` (storage.client_buckets), shared by the fleet through
-  Redis; while Redis cannot answer, each replica keeps its own buckets.
+  Redis; while Redis cannot answer, each replica keeps its own buckets. A miss past its
+  budget is refused only when it would take the model from another client
+  (engine.admission: the budget is work-conserving).
 - **Queueing.** Misses that wait for a forward pass wait in a `FairQueue`: one deque per
   client, served round-robin, so one client's hundred waiting misses stand behind another
   client's one only once each turn.
@@ -95,8 +97,8 @@ def _prefix(client: str) -> str:
 
 
 class MissBudget:
-    """Per-client token buckets on misses. `take(client)` spends one (None) or refuses with
-    OverBudgetError carrying the seconds until the next token."""
+    """Per-client token buckets on misses: `spend(client)` takes one or says how long until one
+    is there (engine.admission decides what a miss past its budget gets)."""
 
     def __init__(
         self,
@@ -118,7 +120,9 @@ class MissBudget:
         self._lock = threading.Lock()
         self.local_fallbacks = 0  # takes answered by this process's buckets while Redis was away
 
-    def take(self, client: str) -> None:
+    def spend(self, client: str) -> float:
+        """Spends one token of `client`'s bucket: 0.0, or (spending nothing) the seconds until
+        one is there. Whether a miss past its budget is refused is engine.admission's call."""
         key = blake3(client.encode()).hexdigest()[:32]  # the address never goes to Redis
         wait = None
         if self._shared is not None:
@@ -129,14 +133,17 @@ class MissBudget:
                     self.local_fallbacks += 1
         if wait is None:
             wait = self._local.take(key, self.rate, self.burst)
-        if wait > 0:
-            now = self._clock()
-            with self._lock:
-                last = self._limited.get(client)
-                self._limited[client] = now
-            refusal = OverBudgetError(client, wait)
-            refusal.first = last is None or now - last > LIMITED_WINDOW_S  # worth a log line
-            raise refusal
+        return wait
+
+    def refusal(self, client: str, retry_after_s: float) -> OverBudgetError:
+        """The error refusing one of `client`'s misses (noted for limited_clients)."""
+        now = self._clock()
+        with self._lock:
+            last = self._limited.get(client)
+            self._limited[client] = now
+        refusal = OverBudgetError(client, retry_after_s)
+        refusal.first = last is None or now - last > LIMITED_WINDOW_S  # worth a log line
+        return refusal
 
     def limited_clients(self) -> int:
         """Clients refused a miss within the last LIMITED_WINDOW_S seconds."""

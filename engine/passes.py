@@ -3,17 +3,20 @@
 Per task, a miss either joins the model's micro-batcher (engine.batching; models that gain
 from batching) or takes one of the task's pass slots (up to its miss concurrency at once).
 Waiting misses are served round-robin across clients either way (engine.fairness), and a
-client's miss budget is spent here, just before a pass is waited for: only real misses get
-this far (hits, coalesced answers and remembered rejections never do).
+miss is admitted here (engine.admission: the client's budget, refused only when it would take
+the model from another client) just before a pass is waited for: only real misses get this
+far (hits, coalesced answers and remembered rejections never do).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, NamedTuple
 
+from engine.admission import ContendedShare, MissAdmission
 from engine.batching import MicroBatcher
 from engine.fairness import FairSlots, MissBudget, QueueWaits
 from engine.models.base import Classifier, Prediction
@@ -39,7 +42,7 @@ class ModelPasses:
     ) -> None:
         self._batch_max_size = batch_max_size
         self._on_pass = on_pass  # (task, inputs in the pass): the batch-size histogram
-        self._budget = miss_budget
+        self._admission = MissAdmission(miss_budget)
         self._waits = QueueWaits()
         limits = dict(miss_concurrency or {})
         self._miss_limits = {task: max(1, limits.get(task, 1)) for task in models}
@@ -54,7 +57,7 @@ class ModelPasses:
         misses that wait meanwhile share the next. The others run up to their limit at once."""
         max_batch = getattr(model, "max_batch", None) or self._batch_max_size  # MODELS_CONFIG's max_batch
         if max_batch > 1 and getattr(model, "batch_misses", False):
-            on_pass = partial(self._on_pass, task)
+            on_pass = partial(self._record_pass, task)
             batcher = MicroBatcher(model, max_batch=max_batch, on_pass=on_pass, waits=self._waits)
             self._batchers[task] = batcher
         else:
@@ -67,11 +70,17 @@ class ModelPasses:
             return max(self._miss_limits[task], self._batch_max_size)
         return self._miss_limits[task]
 
-    def spend(self, client: str | None) -> None:
-        """One miss of `client`'s budget, or OverBudgetError; the app's own requests (None)
+    @contextmanager
+    def admitted(self, task: str, client: str | None) -> Iterator[None]:
+        """Holds one of `client`'s misses of `task` from its admission (engine.admission; raises
+        OverBudgetError when refused) until its pass is done; the app's own requests (None)
         and a budget turned off spend nothing."""
-        if client is not None and self._budget is not None:
-            self._budget.take(client)
+        with self._admission.admitted(task, client):
+            yield
+
+    def _record_pass(self, task: str, clients: list[str | None]) -> None:
+        self._on_pass(task, len(clients))
+        self._admission.record_pass(task, clients)
 
     def run(self, model: Classifier, canonical: Any, client: str | None) -> PassResult:
         """The model's prediction for one canonical input, in its turn (raises what the
@@ -83,7 +92,7 @@ class ModelPasses:
             return PassResult(prediction, forward_s, 1.0 / batch_size)
         with self._slots[task].slot(client):
             started = time.perf_counter()  # the pass, not the wait for a slot
-            self._on_pass(task, 1)
+            self._record_pass(task, [client])
             prediction = model.predict_batch([canonical])[0]
             return PassResult(prediction, time.perf_counter() - started, 1.0)
 
@@ -94,12 +103,18 @@ class ModelPasses:
                 "admitted": self.admission_limit(task)}  # fmt: skip
 
     def fairness_state(self) -> dict[str, Any]:
-        """The miss budget (None when off), clients limited now, and waits for a forward pass
-        by (task, misses already waiting on arrival) as (count, seconds) (engine.fairness)."""
-        budget = self._budget
+        """The miss budget (None when off), clients limited now, waits for a forward pass by
+        (task, misses already waiting on arrival) as (count, seconds) (engine.fairness), and
+        admissions by (task, decision) (engine.admission)."""
+        budget = self._admission.budget
         return {
             "miss_budget": None if budget is None else {"rate": budget.rate, "burst": budget.burst,
                                                         "local_fallbacks": budget.local_fallbacks},
             "limited_clients": 0 if budget is None else budget.limited_clients(),
             "queue_waits": self._waits.snapshot(),
+            "admissions": self._admission.state(),
         }  # fmt: skip
+
+    def contended_share(self, client: str) -> ContendedShare:
+        """engine.admission.ContendedShare of `client` (benchmarks, tests)."""
+        return self._admission.contended_share(client)

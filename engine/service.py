@@ -197,8 +197,9 @@ class InferenceEngine:
         except OverBudgetError as exc:
             self._count("refused")
             if exc.first and client is not None:
-                log.warning("client %s is over its miss budget: misses refused for %d s, hits still served",
-                            self._events.label(client), exc.wait_s)  # fmt: skip
+                log.warning("client %s is over its miss budget while other clients wait for the %s model: "
+                            "its extra misses are refused, hits still served",
+                            self._events.label(client), task)  # fmt: skip
             self._failed(task, model, generation, started, "refused", "over_budget", route, client)
             raise
         except InvalidInputError as exc:
@@ -545,7 +546,20 @@ class InferenceEngine:
         cached, tier = self._lookup(key, (CachedResult,), budget)
         if cached is not None:
             return cached, tier, None  # type: ignore[return-value]
-        self._passes.spend(client)  # a real miss: one token of the client's budget, or OverBudgetError
+        # A real miss: admitted (the client's budget; engine.admission) until its pass is done.
+        with self._passes.admitted(task, client):
+            return self._compute_admitted(key, model, canonical_input, budget, pending_alias, client)
+
+    def _compute_admitted(
+        self,
+        key: str,
+        model: Classifier,
+        canonical_input: Callable[[], Any],
+        budget: _L2Budget,
+        pending_alias: L2Write | None,
+        client: str | None,
+    ) -> tuple[CachedResult, str, float | None]:
+        task = model.task
         turn = None
         if self._fleet_flight is not None and budget.available and self._l2 is not None:
             turn = self._fleet_flight.take_turn(

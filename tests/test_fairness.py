@@ -1,27 +1,34 @@
-"""Fairness for a public demo (engine.fairness): who a client is, a miss budget per client
-(in a real Redis, shared by replicas, with a local fallback), round-robin queueing of
-misses, and the doors' answers: REST 429 + Retry-After, Gradio's error message."""
+"""Fairness for a public demo (engine.fairness, engine.admission): who a client is, a miss
+budget per client (in a real Redis, shared by replicas, with a local fallback) that refuses a
+miss only when it would take the model from another client, round-robin queueing of misses,
+and the doors' answers: REST 429 + Retry-After, Gradio's error message."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
 import pytest
 
 from admin.charts import all_figures
-from admin.clients_tab import client_rows
+from admin.clients_tab import client_rows, proxy_notice
 from bench.gradio_http import GradioHttpClient
+from engine.admission import MissAdmission
 from engine.errors import InvalidInputError, OverBudgetError
 from engine.fairness import ClientLabels, FairQueue, FairSlots, MissBudget, QueueWaits, client_id
 from engine.results import RequestRecord
+from runtime import Runtime
+from settings import Settings
 from storage.breaker import CircuitBreaker
 from storage.client_buckets import LocalBuckets, RedisBuckets
-from storage.embedded_redis import EmbeddedRedis
+from storage.embedded_redis import EmbeddedRedis, free_port
 from storage.redis_store import RedisStore, make_client
+from ui.server import serve_runtime
 
 # ---- who a client is ------------------------------------------------------------------
 
@@ -77,23 +84,19 @@ def redis_store(redis_server: EmbeddedRedis) -> Iterator[RedisStore]:
 
 @pytest.mark.redis
 def test_replicas_share_one_bucket_per_client_in_redis(redis_store: RedisStore) -> None:
-    # Two replicas' budgets over one Redis: together they accept the burst, not twice it.
+    # Two replicas' budgets over one Redis: together they spend the burst, not twice it.
     replicas = [MissBudget(rate=0.5, burst=4, shared=RedisBuckets(redis_store, prefix="fair:meta:b:"))
                 for _ in range(2)]  # fmt: skip
-    accepted, refusals = 0, []
-    for turn in range(8):
-        try:
-            replicas[turn % 2].take("198.51.100.1")
-            accepted += 1
-        except OverBudgetError as exc:
-            refusals.append(exc)
-    assert accepted == 4
-    assert all(1 <= r.wait_s <= 2 and 0 < r.retry_after_s <= 2 for r in refusals)
-    replicas[0].take("198.51.100.2")  # another client is not touched
+    waits = [replicas[turn % 2].spend("198.51.100.1") for turn in range(8)]
+    assert waits[:4] == [0.0] * 4
+    assert all(0 < wait <= 2 for wait in waits[4:])
+    assert replicas[0].spend("198.51.100.2") == 0.0  # another client is not touched
     keys = redis_store.client.keys("fair:meta:b:*")
     assert len(keys) == 2 and all(b"198" not in k for k in keys)  # hashed, never the address
     assert 0 < redis_store.client.pttl(keys[0]) <= 9000  # gone once it would be full again
-    assert replicas[0].limited_clients() + replicas[1].limited_clients() >= 1
+    refusal = replicas[0].refusal("198.51.100.1", 1.5)
+    assert refusal.wait_s == 2 and refusal.first and replicas[0].limited_clients() == 1
+    assert not replicas[0].refusal("198.51.100.1", 1.5).first  # one log line, not one per miss
 
 
 @pytest.mark.redis
@@ -102,11 +105,76 @@ def test_redis_down_falls_back_to_each_replicas_own_bucket(
 ) -> None:
     budget = MissBudget(rate=0.1, burst=2, shared=RedisBuckets(redis_store, prefix="fair:meta:b:"))
     redis_server.kill()
-    budget.take("198.51.100.1")
-    budget.take("198.51.100.1")
-    with pytest.raises(OverBudgetError, match="try again in 10 s"):
-        budget.take("198.51.100.1")
+    assert [budget.spend("198.51.100.1") for _ in range(3)] == [0.0, 0.0, pytest.approx(10.0, abs=0.1)]
     assert budget.local_fallbacks == 3
+
+
+# ---- admission: refused only when it would take the model from someone else --------------
+
+
+def _admission(clock: Clock, *, rate: float = 0.001, burst: int = 2) -> MissAdmission:
+    return MissAdmission(MissBudget(rate=rate, burst=burst, shared=None, local=LocalBuckets(clock=clock),
+                                    clock=clock))  # fmt: skip
+
+
+def test_alone_a_client_past_its_budget_is_served_as_fast_as_it_asks() -> None:
+    clock = Clock()
+    admission = _admission(clock)
+    for _ in range(50):  # one at a time, as a script sends them
+        with admission.admitted("text", "198.51.100.1"):
+            clock.now += 0.01
+    with ExitStack() as held:  # eight at once, nobody else waiting: all of them
+        for _ in range(8):
+            held.enter_context(admission.admitted("text", "198.51.100.1"))
+    decisions = admission.state()
+    assert decisions[("text", "budget")] == 2 and decisions[("text", "idle")] == 56
+    assert ("text", "refused") not in decisions
+
+
+def test_under_contention_a_client_past_its_budget_keeps_one_miss_per_turn() -> None:
+    clock = Clock()
+    admission = _admission(clock)
+    flood, visitor = "198.51.100.1", "203.0.113.7"
+    for _ in range(2):  # the flood spends its burst
+        with admission.admitted("text", flood):
+            pass
+    with admission.admitted("text", visitor):  # a visitor's miss is waiting
+        with admission.admitted("text", flood):  # one of the flood's: its share of the turn
+            with pytest.raises(OverBudgetError) as refused, admission.admitted("text", flood):
+                pass
+            assert refused.value.wait_s == 1  # its own waiting miss is through within a turn
+            with admission.admitted("image", flood):  # another task's model is not contended
+                pass
+        with admission.admitted("text", flood):  # its waiting miss went through: its next turn
+            pass
+        for _ in range(2):  # the visitor, within its own budget, is never refused
+            with admission.admitted("text", visitor):
+                pass
+    assert not admission.contended("text")
+    with ExitStack() as held:  # the visitor gone, the flood alone again: served
+        for _ in range(4):
+            held.enter_context(admission.admitted("text", flood))
+    decisions = admission.state()
+    assert decisions[("text", "refused")] == 1
+    assert decisions[("text", "one_per_turn")] == 2
+
+
+def test_the_app_s_own_misses_are_admitted_and_contend_with_nobody() -> None:
+    admission = _admission(Clock())
+    with admission.admitted("text", None), admission.admitted("text", None):
+        assert not admission.contended("text")
+    assert admission.state() == {}
+
+
+def test_contended_share_counts_each_pass_against_the_clients_active_then() -> None:
+    admission = MissAdmission(None)
+    admission.record_pass("text", ["a", "a"])  # alone: not contended
+    with admission.admitted("text", "a"), admission.admitted("text", "a"), admission.admitted("text", "b"):
+        admission.record_pass("text", ["a", "a", "b", "a"])  # 4 inputs, 2 clients: 2 each
+        admission.record_pass("text", ["b"])
+    a, b = admission.contended_share("a"), admission.contended_share("b")
+    assert (a.inputs, a.fair, a.total) == (3, 2.5, 5)
+    assert (b.inputs, b.fair) == (2, 2.5)
 
 
 # ---- fair queueing ----------------------------------------------------------------------
@@ -156,7 +224,28 @@ def test_a_freed_pass_goes_to_the_next_client_not_the_next_arrival() -> None:
     assert {0, 4} <= depths  # waits recorded by how many waited on arrival
 
 
-# ---- the engine: only misses spend ------------------------------------------------------
+# ---- the engine: only misses spend, refusals only under contention ------------------------
+
+
+@contextmanager
+def contended(runtime: Runtime, task: str, *clients: str) -> Iterator[None]:
+    """As if each of `clients` had a miss of `task` waiting for a forward pass now (the engine's
+    admission, as a real waiting miss holds it), without a slow model in the test."""
+    with ExitStack() as stack:
+        for client in clients:
+            stack.enter_context(runtime.engine._passes.admitted(task, client))
+        yield
+
+
+def test_alone_past_its_budget_a_client_s_misses_are_all_served(make_runtime) -> None:
+    runtime = make_runtime(client_miss_rate=0.01, client_miss_burst=2)
+    engine = runtime.engine
+    script = "198.51.100.9"
+    tiers = [engine.classify("text", f"script message {n}", client=script).tier for n in range(40)]
+    assert tiers == ["miss"] * 40  # an idle model: nobody to take it from
+    decisions = engine.fairness_state()["admissions"]
+    assert decisions[("text", "budget")] == 2 and decisions[("text", "idle")] == 38
+    assert engine.counters().refused == 0
 
 
 def test_only_misses_spend_and_a_refusal_is_logged_as_its_own_status(make_runtime) -> None:
@@ -167,17 +256,19 @@ def test_only_misses_spend_and_a_refusal_is_logged_as_its_own_status(make_runtim
     flood = "198.51.100.9"
     for text in ("one", "two"):
         assert engine.classify("text", text, client=flood).tier == "miss"
-    with pytest.raises(OverBudgetError) as refused:
-        engine.classify("text", "three", client=flood)
-    assert refused.value.wait_s >= 60
-    for _ in range(5):  # hits and remembered rejections are never refused
-        assert engine.classify("text", "one", client=flood).tier == "l1"
-        with pytest.raises(InvalidInputError):
-            engine.classify("text", "   ", client=flood)
-    assert engine.classify("text", "three", client="198.51.100.10").tier == "miss"  # another client
-    assert engine.classify("text", "four").tier == "miss"  # the app's own request has no budget
+    with contended(runtime, "text", "198.51.100.10", flood):  # another client waits; so does one of its
+        with pytest.raises(OverBudgetError) as refused:
+            engine.classify("text", "three", client=flood)
+        assert refused.value.wait_s == 1
+        for _ in range(5):  # hits and remembered rejections are never refused
+            assert engine.classify("text", "one", client=flood).tier == "l1"
+            with pytest.raises(InvalidInputError):
+                engine.classify("text", "   ", client=flood)
+        assert engine.classify("text", "three", client="198.51.100.11").tier == "miss"  # another client
+        assert engine.classify("text", "four").tier == "miss"  # the app's own request has no budget
+    assert engine.classify("text", "five", client=flood).tier == "miss"  # alone again
     statuses = [r.status for r in records]
-    assert statuses.count("refused") == 1 and statuses.count("ok") == 9
+    assert statuses.count("refused") == 1 and statuses.count("ok") == 10
     refusal = next(r for r in records if r.status == "refused")
     assert refusal.error_code == "over_budget" and refusal.tier is None
     assert refusal.client is not None and flood not in refusal.client
@@ -195,28 +286,81 @@ def _infer(url: str, text: str, forwarded_for: str | None = None) -> httpx.Respo
 
 
 def test_rest_answers_429_with_retry_after_and_still_serves_hits(serve) -> None:
-    url, _ = serve(client_miss_rate=0.05, client_miss_burst=2)
+    url, runtime = serve(client_miss_rate=0.05, client_miss_burst=2)
     assert _infer(url, "hello there", "203.0.113.5").status_code == 200
     assert _infer(url, "second message", "203.0.113.5").status_code == 200
-    refused = _infer(url, "third message", "203.0.113.5")
-    assert refused.status_code == 429
-    assert 1 <= int(refused.headers["retry-after"]) <= 20
-    assert "Too many new inputs from your address" in refused.json()["error"]
-    hit = _infer(url, "hello there", "203.0.113.5")  # from memory, on the event loop
-    assert hit.status_code == 200 and hit.json()["parameters"]["tier"] == "l1"
-    # A trusted proxy (loopback, the default) names another client: its own budget.
-    assert _infer(url, "third message", "203.0.113.6").status_code == 200
-    # An IPv6 client is its /64: another address in it shares the bucket.
-    assert _infer(url, "v6 one", "2001:db8:5:6::1").status_code == 200
-    assert _infer(url, "v6 two", "2001:db8:5:6::2").status_code == 200
-    assert _infer(url, "v6 three", "2001:db8:5:6::3").status_code == 429
+    with contended(runtime, "text", "203.0.113.99", "203.0.113.5"):
+        refused = _infer(url, "third message", "203.0.113.5")
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert "Too many new inputs from your address" in refused.json()["error"]
+        hit = _infer(url, "hello there", "203.0.113.5")  # from memory, on the event loop
+        assert hit.status_code == 200 and hit.json()["parameters"]["tier"] == "l1"
+        # A trusted proxy (loopback, the default) names another client: its own budget.
+        assert _infer(url, "third message", "203.0.113.6").status_code == 200
+        # An IPv6 client is its /64: another address in it shares the bucket.
+        assert _infer(url, "v6 one", "2001:db8:5:6::1").status_code == 200
+        assert _infer(url, "v6 two", "2001:db8:5:6::2").status_code == 200
+        with contended(runtime, "text", client_id("2001:db8:5:6::3")):
+            assert _infer(url, "v6 three", "2001:db8:5:6::3").status_code == 429
+    assert _infer(url, "fourth message", "203.0.113.5").status_code == 200  # nobody waits now
+
+
+def _busiest(runtime: Runtime) -> list[list[Any]]:
+    return client_rows(runtime.client_activity, "5m")
 
 
 def test_x_forwarded_for_from_an_untrusted_peer_is_ignored(serve) -> None:
-    url, _ = serve(client_miss_rate=0.05, client_miss_burst=1, forwarded_allow_ips="192.0.2.1")
-    assert _infer(url, "first", "203.0.113.5").status_code == 200
-    # The header would make it another client; from an untrusted peer it is the peer itself.
-    assert _infer(url, "second", "203.0.113.99").status_code == 429
+    url, runtime = serve(forwarded_allow_ips="192.0.2.1")
+    for n, forwarded in enumerate(("203.0.113.5", "203.0.113.99", "198.51.100.4")):
+        # The header would make each another client; from an untrusted peer it is the peer itself.
+        assert _infer(url, f"untrusted {n}", forwarded).status_code == 200
+    assert [row[1] for row in _busiest(runtime)] == [3]  # one client, three misses
+    # Several clients forwarded by one untrusted peer: said once, with the setting to change.
+    notice = proxy_notice(runtime.client_activity)
+    assert notice.count("127.0.0.1") == 1 and "FORWARDED_ALLOW_IPS" in notice
+    assert _infer(url, "untrusted 4", "203.0.113.77").status_code == 200
+    assert proxy_notice(runtime.client_activity) == notice
+
+
+@pytest.fixture
+def space_server(make_runtime) -> Iterator[tuple[Any, Runtime]]:
+    """A served app with a Space's settings (SPACE_ID set, nothing else): (server, runtime)."""
+    space = Settings.from_env({"SPACE_ID": "someone/inference-cache"})
+    assert space.forwarded_trusted_hops == 1 and space.forwarded_allow_ips == "127.0.0.1,::1"
+    runtime = make_runtime(forwarded_trusted_hops=space.forwarded_trusted_hops)
+    server = serve_runtime(runtime, port=free_port())
+    yield server, runtime
+    server.close()
+
+
+def test_behind_a_space_s_front_two_visitors_are_two_clients(space_server) -> None:
+    # The Space's front reaches the replica from an internal, non-loopback address; the app
+    # is called in-process as from that address (tests bind to loopback only).
+    server, runtime = space_server
+    app = server.app
+
+    async def visit(forwarded_for: str, text: str) -> int:
+        transport = httpx.ASGITransport(app=app, client=("10.16.3.80", 40123))  # the Space's front
+        async with httpx.AsyncClient(transport=transport, base_url="http://space") as http:
+            body = {"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": [text]}]}
+            response = await http.post("/v2/models/text/infer", json=body,
+                                       headers={"x-forwarded-for": forwarded_for})  # fmt: skip
+            return response.status_code
+
+    async def visits() -> list[int]:
+        return [
+            await visit("203.0.113.21", "space visitor one"),
+            await visit("198.51.100.22", "space visitor two"),
+            # A visitor who writes its own header cannot choose its identity: the front appends.
+            await visit("192.0.2.50, 203.0.113.21", "space visitor one again"),
+        ]
+
+    assert asyncio.run(visits()) == [200, 200, 200]
+    rows = _busiest(runtime)
+    assert sorted(row[1] for row in rows) == [1, 2]  # two clients: two misses and one
+    assert all(row[0].split("#")[0] in ("203.0.113.x", "198.51.100.x") for row in rows)
+    assert proxy_notice(runtime.client_activity) == ""  # a trusted front is no warning
 
 
 def _gradio_call(url: str, text: str, forwarded_for: str) -> Any:
@@ -225,14 +369,15 @@ def _gradio_call(url: str, text: str, forwarded_for: str) -> Any:
 
 
 def test_gradio_shows_the_budget_message_and_serves_hits(serve) -> None:
-    url, _ = serve(client_miss_rate=0.05, client_miss_burst=1)
+    url, runtime = serve(client_miss_rate=0.05, client_miss_burst=1)
     assert _gradio_call(url, "gradio first", "203.0.113.7").outputs[1]["tier"] == "miss"
-    refused = _gradio_call(url, "gradio second", "203.0.113.7")
-    assert refused.error_message is not None
-    assert "Too many new inputs from your address in a short time; answers already cached still work; " \
-           "try again in" in refused.error_message  # fmt: skip
-    assert _gradio_call(url, "gradio first", "203.0.113.7").outputs[1]["tier"] == "l1"
-    assert _gradio_call(url, "gradio second", "203.0.113.8").outputs[1]["tier"] == "miss"
+    with contended(runtime, "text", "203.0.113.70", "203.0.113.7"):
+        refused = _gradio_call(url, "gradio second", "203.0.113.7")
+        assert refused.error_message is not None
+        assert "Too many new inputs from your address at once while others wait for the model; answers " \
+               "already cached still work; try again in 1 s." in refused.error_message  # fmt: skip
+        assert _gradio_call(url, "gradio first", "203.0.113.7").outputs[1]["tier"] == "l1"
+        assert _gradio_call(url, "gradio second", "203.0.113.8").outputs[1]["tier"] == "miss"
 
 
 # ---- visible: metrics, the console, the request log --------------------------------------
@@ -241,13 +386,18 @@ def test_gradio_shows_the_budget_message_and_serves_hits(serve) -> None:
 def test_refusals_show_in_metrics_the_busiest_clients_and_the_tier_chart(serve) -> None:
     url, runtime = serve(client_miss_rate=0.05, client_miss_burst=1)
     assert _infer(url, "visible one", "203.0.113.40").status_code == 200
-    assert _infer(url, "visible two", "203.0.113.40").status_code == 429
+    with contended(runtime, "text", "198.51.100.1", "203.0.113.40"):
+        assert _infer(url, "visible two", "203.0.113.40").status_code == 429
     assert _infer(url, "visible one", "203.0.113.40").status_code == 200  # a hit
     assert _infer(url, "visible one", "203.0.113.41").status_code == 200  # another client's hit
     metrics = httpx.get(url + "/metrics").text
     assert 'infcache_refused_misses_total{route="rest",task="text"} 1.0' in metrics
     assert "infcache_clients_limited 1.0" in metrics
     assert 'infcache_miss_queue_waits_total{task="text",waiting="0"}' in metrics
+    assert 'infcache_miss_admissions_total{decision="refused",task="text"} 1.0' in metrics
+    # The first miss and the held other client's, within budget; the held one of its own past it.
+    assert 'infcache_miss_admissions_total{decision="budget",task="text"} 2.0' in metrics
+    assert 'infcache_miss_admissions_total{decision="one_per_turn",task="text"} 1.0' in metrics
     assert "203.0.113.40" not in metrics
 
     rows = client_rows(runtime.client_activity, "5m")

@@ -118,8 +118,8 @@ def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[st
 
 def request_client(request: gr.Request | None) -> str:
     """Who sent a Gradio event (engine.fairness.client_id): the address of the connection that
-    queued it, as uvicorn's proxy-headers step left it (the X-Forwarded-For client of a trusted
-    proxy, FORWARDED_ALLOW_IPS)."""
+    queued it, as the forwarding step left it (engine.forwarding: the X-Forwarded-For client
+    of a trusted proxy)."""
     client = getattr(request, "client", None)
     return client_id(getattr(client, "host", None))
 

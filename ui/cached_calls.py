@@ -154,7 +154,7 @@ class CachedCalls:
             request = json_body(scope, body)
             data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
             if data is not None:
-                client = client_id((scope.get("client") or ("",))[0])  # after uvicorn's proxy headers
+                client = client_id((scope.get("client") or ("",))[0])  # as engine.forwarding left it
                 outputs = await self._cached_outputs(self._apis[api_name], data, client)
         if outputs is None:  # not ours to answer: on to the guard and Gradio, as it came
             await self.app(scope, replay(messages, receive), send)

@@ -182,18 +182,21 @@ class BackgroundServer:
         host: str = "127.0.0.1",
         port: int,
         header_limits: HeaderLimits | None = DEFAULT_HEADERS,
-        forwarded_allow_ips: str = FORWARDED_ALLOW_IPS,
+        forwarded_allow_ips: str | None = FORWARDED_ALLOW_IPS,
     ) -> None:
         # An open event stream (a gradio_client's heartbeat) must not hold close() for its
         # whole join timeout: requests in flight get this long, then connections are dropped.
         # header_limits=None: uvicorn's own protocol, no limits (a benchmark's baseline).
         http = "httptools" if header_limits is None else limited_http_protocol(header_limits)
-        # forwarded_allow_ips: whose X-Forwarded-For names the client (engine.fairness).
+        # forwarded_allow_ips: whose X-Forwarded-For names the client, by uvicorn's rule; None
+        # for a ServingApp, which applies the runtime's own (engine.forwarding).
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=1, http=http,
+                                proxy_headers=forwarded_allow_ips is not None,
                                 forwarded_allow_ips=forwarded_allow_ips)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
+        self.app = app  # what it serves (a test may call it in-process, e.g. from another address)
         self.url = f"http://{host}:{port}"
 
     def start(self, timeout_s: float = 30.0) -> BackgroundServer:
@@ -231,10 +234,9 @@ def serve_runtime(
     serving = ServingApp(runtime.settings, build_runtime=lambda _settings: runtime, build_app=build_app,
                          close_runtime=False)  # fmt: skip
     limits = HeaderLimits.from_settings(runtime.settings) if limit_headers else None
-    server = BackgroundServer(
-        serving, host=host, port=port, header_limits=limits,
-        forwarded_allow_ips=runtime.settings.forwarded_allow_ips,
-    ).start(timeout_s)  # fmt: skip
+    # Who a request is from is the runtime's to say (engine.forwarding), not uvicorn's.
+    server = BackgroundServer(serving, host=host, port=port, header_limits=limits,
+                              forwarded_allow_ips=None).start(timeout_s)  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while not serving.ready:
         if serving.failure is not None or time.monotonic() > deadline:
@@ -261,8 +263,9 @@ def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -
         serving, host=settings.host, port=settings.port, log_level="warning", lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=limited_http_protocol(HeaderLimits.from_settings(settings)),
-        # Whose X-Forwarded-For names the client: the miss budget's identity (engine.fairness).
-        forwarded_allow_ips=settings.forwarded_allow_ips,
+        # Who a request is from (the miss budget's identity) is ServingApp's to say, with the
+        # runtime's engine.forwarding (FORWARDED_ALLOW_IPS, FORWARDED_TRUSTED_HOPS), not uvicorn's.
+        proxy_headers=False,
         # A line per request costs more server CPU than a cached answer; the request log
         # (console) and /metrics record every request.
         access_log=False,

@@ -29,6 +29,7 @@ from admin.insights import Insights
 from admin.metrics import Metrics
 from admin.service import AdminService
 from engine.errors import ModelLoadError
+from engine.forwarding import Forwarding
 from engine.service import InferenceEngine
 from settings import Settings
 from ui.asgi import Receive, Scope, Send, respond
@@ -61,6 +62,7 @@ class Runtime(Protocol):
     auth: AdminAuth
     metrics: Metrics
     insights: Insights | None
+    forwarding: Forwarding | None
 
     def wait_for_l2(self, timeout_s: float) -> bool: ...
 
@@ -95,6 +97,7 @@ class ServingApp:
         self._app: FastAPI | None = None
         self._gradio: Any = None  # the mounted Gradio app, reached without the API routes
         self._direct: tuple[DirectRoute, ...] = ()
+        self._forwarding: Forwarding | None = None
         self._starting: asyncio.Task[None] | None = None
         self._stack = AsyncExitStack()
         self._body_limits = BodyLimits.from_settings(settings)
@@ -113,6 +116,9 @@ class ServingApp:
         if app is None:
             await self._not_ready(scope, receive, send)
             return
+        forwarding = self._forwarding
+        if forwarding is not None:
+            forwarded_client(scope, forwarding)
         for route in self._direct:
             params = route.path_params(scope)
             if params is not None:
@@ -151,6 +157,7 @@ class ServingApp:
             await asyncio.to_thread(runtime.wait_for_l2, self._settings.ready_l2_wait_s)
             self._gradio = next((r.app for r in app.routes if isinstance(r, Mount) and r.path == ""), None)
             self._direct = tuple(getattr(app.state, "direct_routes", ()))
+            self._forwarding = getattr(runtime, "forwarding", None)  # a stand-in runtime may have none
             self._app = app
             log.info("ready: serving on port %s", self._settings.port)
         except ModelLoadError as exc:  # a model that cannot load: the message names it (engine.models)
@@ -194,6 +201,30 @@ class ServingApp:
             await _respond(send, 503 if failed else 200, page, content_type="text/html; charset=utf-8")
         else:
             await _respond(send, 503, {"error": notice})
+
+
+def forwarded_client(scope: Scope, forwarding: Forwarding) -> None:
+    """Sets the request's client to the address it is from (engine.forwarding), and its scheme
+    to X-Forwarded-Proto's when a trusted proxy sent it, as uvicorn's proxy-headers step does
+    (which serve() turns off: this replaces it)."""
+    if scope["type"] not in ("http", "websocket"):
+        return
+    forwarded_for: list[str] = []
+    proto = None
+    for name, value in scope["headers"]:
+        if name == b"x-forwarded-for":
+            forwarded_for.append(value.decode("latin-1"))
+        elif name == b"x-forwarded-proto":
+            proto = value.decode("latin-1").strip()
+    if not forwarded_for and proto is None:
+        return
+    peer = scope.get("client")
+    host = peer[0] if peer else None
+    client = forwarding.client(host, forwarded_for)
+    if client != host and client:
+        scope["client"] = (client, 0)
+    if proto in ("http", "https") and host is not None and forwarding.trusts(host):
+        scope["scheme"] = proto if scope["type"] == "http" else proto.replace("http", "ws")
 
 
 async def _respond(send: Send, status: int, body: Any, *, content_type: str = "application/json") -> None:

@@ -1,0 +1,150 @@
+"""Work-conserving miss admission: a miss is refused only when it would take the model from
+someone else.
+
+Every miss about to wait for a forward pass is admitted here first (hits, coalesced answers and
+remembered rejections never get this far). Per task and per replica, a client is *active* while
+it has a miss admitted and not yet through its forward pass; the task is *contended* for a client
+when another client is active on it here. The decision:
+
+1. The miss spends a token of the client's budget when one is there (engine.fairness.MissBudget:
+   CLIENT_MISS_RATE a second up to CLIENT_MISS_BURST, one bucket per client for the fleet, in
+   Redis). Within its budget a client's misses are always admitted and wait their round-robin
+   turn (engine.fairness.FairQueue): a visitor clicking through the examples is never refused.
+2. Past its budget, the miss is still admitted when
+   - the task is not contended (nobody else wants the model here): the model would otherwise
+     be idle, so a lone script is served as fast as the model goes (counted as `idle`); or
+   - it is the client's only miss of the task here: round robin serves each waiting client one
+     miss per turn, so one waiting miss is never more than the client's share (`one_per_turn`).
+3. Otherwise (others are waiting and the client already has a miss of its own in the queue) it
+   is refused: OverBudgetError, 429 + Retry-After / Gradio's message. Its own waiting miss is
+   served within a turn, so the retry is due in a second.
+
+Contention is measured per replica because the model is: a replica whose model is idle serves
+whoever asks, whatever another replica is doing. The client's history is the fleet's: its bucket
+is shared through Redis, so a client that took every idle pass on one replica meets contention
+on any other with its tokens spent.
+
+`record_pass` also measures what fairness promises: over the passes that ran while two or more
+clients were active, each client's inputs against its fair share (each pass's inputs divided
+among the clients active then).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+from cachetools import LRUCache
+
+from engine.errors import OverBudgetError
+from engine.fairness import MissBudget
+
+# Past its budget, the retry after a refusal under contention: its own waiting miss is served
+# within a turn (one forward pass per active client).
+RETRY_UNDER_CONTENTION_S = 1.0
+# Clients whose contended share is remembered (the least recent go first).
+SHARE_CLIENTS = 10_000
+DECISIONS = ("budget", "idle", "one_per_turn", "refused")
+
+
+class ContendedShare(NamedTuple):
+    """Over the passes that ran while two or more clients were active on a task."""
+
+    inputs: int  # the client's inputs in those passes
+    fair: float  # its fair share of them: each pass's inputs / the clients active then
+    total: int  # every input of those passes
+
+
+class MissAdmission:
+    """Admits misses (see the module's docstring). Thread-safe; owned by the engine's passes."""
+
+    def __init__(self, budget: MissBudget | None) -> None:
+        self._budget = budget
+        self._lock = threading.Lock()
+        self._active: dict[str, Counter[str]] = {}  # task -> client -> misses admitted, not through
+        self._decisions: Counter[tuple[str, str]] = Counter()  # (task, decision) -> misses
+        self._inputs: LRUCache[str, int] = LRUCache(maxsize=SHARE_CLIENTS)
+        self._fair: LRUCache[str, float] = LRUCache(maxsize=SHARE_CLIENTS)
+        self._contended_inputs = 0
+
+    @property
+    def budget(self) -> MissBudget | None:
+        return self._budget
+
+    @contextmanager
+    def admitted(self, task: str, client: str | None) -> Iterator[None]:
+        """Holds one admitted miss of `client` on `task` until it leaves (its pass done or
+        failed); raises OverBudgetError instead when it is refused. The app's own requests
+        (None) are always admitted and contend with nobody."""
+        if client is None:
+            yield
+            return
+        with self._lock:
+            active = self._active.setdefault(task, Counter())
+            own = active[client]
+            contended = len(active) > (1 if own else 0)
+            active[client] += 1
+        try:
+            decision = self._decide(client, own, contended)
+            with self._lock:
+                self._decisions[task, decision] += 1
+        except OverBudgetError:
+            self._leave(task, client)
+            with self._lock:
+                self._decisions[task, "refused"] += 1
+            raise
+        try:
+            yield
+        finally:
+            self._leave(task, client)
+
+    def _decide(self, client: str, own: int, contended: bool) -> str:
+        if self._budget is None:
+            return "budget"
+        wait = self._budget.spend(client)
+        if wait <= 0:
+            return "budget"
+        if not contended:
+            return "idle"
+        if not own:
+            return "one_per_turn"
+        raise self._budget.refusal(client, min(wait, RETRY_UNDER_CONTENTION_S))
+
+    def _leave(self, task: str, client: str) -> None:
+        with self._lock:
+            active = self._active[task]
+            active[client] -= 1
+            if active[client] <= 0:
+                del active[client]
+
+    def record_pass(self, task: str, clients: Sequence[str | None]) -> None:
+        """A forward pass of `task` starts on these clients' inputs (None: the app's own)."""
+        with self._lock:
+            active = list(self._active.get(task, ()))
+            if len(active) < 2:
+                return
+            share = len(clients) / len(active)
+            for client in active:
+                self._fair[client] = self._fair.get(client, 0.0) + share
+            for client in clients:
+                if client is not None:
+                    self._inputs[client] = self._inputs.get(client, 0) + 1
+            self._contended_inputs += len(clients)
+
+    def contended_share(self, client: str) -> ContendedShare:
+        with self._lock:
+            inputs, fair = self._inputs.get(client, 0), self._fair.get(client, 0.0)
+            return ContendedShare(inputs, fair, self._contended_inputs)
+
+    def state(self) -> dict[tuple[str, str], int]:
+        """Admitted and refused misses by (task, decision) (DECISIONS), for /metrics."""
+        with self._lock:
+            return dict(self._decisions)
+
+    def contended(self, task: str) -> bool:
+        """Whether two or more clients are active on `task` here now."""
+        with self._lock:
+            return len(self._active.get(task, ())) >= 2
