@@ -35,7 +35,7 @@ CROSS_SITE = {"host": "myspace.hf.space", "origin": "https://example.com"}
 def start_app(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "PORT": str(port), "REDIS_URL": "off", "DATA_DIR": str(data_dir),
-           "ADMIN_TOKEN": "bench-cached-routes", "CLIENT_MISS_RATE": "0"}  # fmt: skip
+           "ADMIN_TOKEN": "bench-cached-routes"}  # fmt: skip
     process = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

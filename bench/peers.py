@@ -298,6 +298,4 @@ def our_settings(redis_url: str | None, data_dir: Path, device: str) -> Any:
         # Model calls here count the cache's own work (tests hold ours to one per distinct
         # input); what shadow verification's recomputations cost is bench.trust's to measure.
         shadow_sample_rate=0.0,
-        # Every simulated user comes from loopback: one client whose misses are the load.
-        client_miss_rate=0.0,
     )

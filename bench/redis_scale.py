@@ -109,8 +109,7 @@ def run(profile: Profile, threads: int) -> None:
         cluster = stack.enter_context(LocalCluster(maxmemory_mb=256))
         sentinel = stack.enter_context(LocalSentinel(maxmemory_mb=256))
         model = TextClassifier(device="cpu", max_text_chars=2000)
-        base = replace(Settings.from_env({}), cache_l1_max_bytes=0, admin_token="bench-redis-scale",
-                       client_miss_rate=0.0)  # fmt: skip
+        base = replace(Settings.from_env({}), cache_l1_max_bytes=0, admin_token="bench-redis-scale")
         urls = {
             "single node": single.url,
             "cluster (3 primaries)": cluster.url,

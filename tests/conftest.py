@@ -108,9 +108,6 @@ def base_settings(tmp_path_factory: pytest.TempPathFactory, onnx_export_dir: Pat
         # Off: a sampled hit would run the stand-in models' predict_batch again and move their
         # call counts; tests of shadow verification turn it on.
         shadow_sample_rate=0.0,
-        # Off: many tests send a stream of new inputs from one address; tests of the miss
-        # budget (tests/test_fairness.py) turn it on.
-        client_miss_rate=0.0,
     )
 
 

@@ -65,9 +65,6 @@ class AppProcess:
             GRADIO_TEMP_DIR=str(self.data_dir / "uploads"),
             GRADIO_ANALYTICS_ENABLED="False",
             PYTHONUNBUFFERED="1",
-            # The scenarios' load comes from one loopback address: no miss budget (issue 26's
-            # own measurement is bench.fairness).
-            CLIENT_MISS_RATE="0",
         )
         if self.database_url is not None:
             env["DATABASE_URL"] = self.database_url

@@ -36,7 +36,6 @@ def single_flight(run: Run) -> None:
         redis_url=ctx.redis_server.url,
         cache_prefix=f"{PREFIX}-flight",
         admin_token=TOKEN,
-        client_miss_rate=0.0,  # the load comes from one loopback address
     )
     images = image_variants(ctx.sizes.images + 4, seed=1)[-4:]  # never sent before
     fresh = [

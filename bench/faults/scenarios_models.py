@@ -80,7 +80,6 @@ def reload_under_load(
             settings = replace(
                 Settings.from_env({}), data_dir=work / name, redis_url=redis_url, cache_prefix=prefix,
                 admin_token=TOKEN, replica_id=f"models-{name}", models_config=config, shadow_sample_rate=0.0,
-                client_miss_rate=0.0,
                 **FAST,
             )  # fmt: skip
             replicas.append(stack.enter_context(build_runtime(settings, model_factory=load_models)))

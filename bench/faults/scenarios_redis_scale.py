@@ -61,7 +61,7 @@ def replicas_on(
             settings = Settings.from_env({
                 "REDIS_URL": redis_url, "DATA_DIR": str(ctx.work / f"{label}-{name}"), "HOST": "127.0.0.1",
                 "ADMIN_TOKEN": TOKEN, "REDIS_SOCKET_TIMEOUT_S": str(SOCKET_TIMEOUT_S),
-                "GENERATION_REFRESH_S": str(REFRESH_S), "CLIENT_MISS_RATE": "0", **(settings_env or {}),
+                "GENERATION_REFRESH_S": str(REFRESH_S), **(settings_env or {}),
             })  # fmt: skip
             runtime = build_runtime(settings, models=ctx.oracle.models)
             try:
