@@ -154,7 +154,7 @@ def _shown(peer: str) -> str:
     address = _address(peer)
     if address is None:
         return "a non-IP peer"
-    if address.is_private or address.is_loopback:
+    if not address.is_global:  # private, loopback, link-local, shared (CGNAT)...
         return str(address)
     if address.version == 4:
         return ".".join(str(address).split(".")[:3]) + ".x"
