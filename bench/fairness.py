@@ -1,22 +1,28 @@
-"""Fairness under a flood (issue 26): ordinary clients' latencies with and without one client
-that sends new inputs as fast as it can, side by side in one run.
+"""Fairness, work-conserving (issues 26, 33): a client alone on an idle server is served as fast
+as the model goes, and under a flood the ordinary clients keep their latencies, side by side
+in one run.
 
-    python -m bench.fairness [--seconds 20] [--rounds 2]
+    python -m bench.fairness [--seconds 20] [--idle-seconds 10] [--rounds 2]
 
-Over real HTTP (the REST door) with the real text model: 4 ordinary clients (each its own
-X-Forwarded-For address through the trusted loopback proxy) send a Zipf stream over 300
-messages, one request every 0.25 s; the flooding client sends unique messages from 8
-connections with no pause and ignores 429s. Three phases, each on a fresh app, in turn
-`--rounds` times (their samples pooled):
+Over real HTTP (the REST door) with the real text model, each phase on a fresh app with the
+default settings unless named, in turn `--rounds` times (samples pooled):
 
-- alone: the ordinary clients only (the reference);
-- flood: the flood, with the default miss budget (CLIENT_MISS_RATE/BURST) and fair queueing;
-- flood, no budget: CLIENT_MISS_RATE=0, fair queueing alone.
+- idle, one client: one client alone sends new messages as fast as it can, from 1 and from 8
+  connections, with the default miss budget and with none: answered/s and refusals (target:
+  0 refused, throughput with the budget within noise of without);
+- alone: 4 ordinary clients (each its own X-Forwarded-For address through the trusted loopback
+  proxy) send a Zipf stream over 300 messages, one request every 0.25 s (the reference);
+- flood: the same, plus one client sending unique messages from 8 connections with no pause,
+  ignoring 429s;
+- flood, no budget: CLIENT_MISS_RATE=0, round-robin queueing alone;
+- flood + polite script: the flood, plus a script sending new messages from 2 connections that
+  honours Retry-After (waits it, then sends the same message again): its retries accepted.
 
-Reported per phase: ordinary miss p50/p99, hit p99, failed ordinary requests, the flooding
-client's share of model inputs (misses answered), its 429s; then the ratios against
-"alone" (targets: miss p99 <= 2x, hit p99 <= 1.5x, 0 failed, flood share <= fair share
-+ 10 %). Last, a client that honours Retry-After: how many of its retries were accepted.
+Reported per flood phase: ordinary miss p50/p99, hit p99, failed ordinary requests, the flood's
+429s, and the flood's share of the inputs of contended passes (those that ran while another
+client wanted the model too) against its fair share of them (each pass's inputs divided among
+the clients wanting the model then; engine.admission). Targets: miss p99 <= 2x alone, hit p99
+<= 1.5x, 0 failed, flood share <= fair share + 10 %.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ import argparse
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,7 +41,8 @@ import httpx
 import numpy as np
 
 from bench.workload.inputs import make_messages
-from runtime import build_runtime, load_models
+from engine.fairness import client_id
+from runtime import Runtime, build_runtime, load_models
 from settings import Settings
 from storage.embedded_redis import free_port
 from ui.server import serve_runtime
@@ -43,6 +53,9 @@ ORDINARY_PAUSE_S = 0.25
 VOCABULARY = 300
 ZIPF_S = 1.1
 FLOODER = "198.51.100.66"
+POLITE = "198.51.100.77"
+POLITE_CONNECTIONS = 2
+IDLE_CONNECTIONS = (1, 8)
 
 
 @dataclass
@@ -52,6 +65,8 @@ class Tally:
     failed: int = 0
     refused: int = 0
     misses: int = 0
+    retries: int = 0
+    retries_accepted: int = 0
 
     def add(self, other: Tally) -> None:
         self.miss_ms += other.miss_ms
@@ -59,6 +74,8 @@ class Tally:
         self.failed += other.failed
         self.refused += other.refused
         self.misses += other.misses
+        self.retries += other.retries
+        self.retries_accepted += other.retries_accepted
 
 
 def _infer(http: httpx.Client, text: str) -> httpx.Response:
@@ -112,50 +129,96 @@ def _flood(url: str, stop: float, tally: Tally, lock: threading.Lock) -> None:
                     tally.misses += 1
 
 
+def _polite(url: str, stop: float, tally: Tally, lock: threading.Lock) -> None:
+    """A script that honours Retry-After: on a 429 it waits, then sends the same message again."""
+    with _client(url, POLITE) as http:
+        text = f"polite {uuid.uuid4().hex} refund please"
+        retrying = False
+        while time.monotonic() < stop:
+            try:
+                response = _infer(http, text)
+            except httpx.HTTPError:
+                continue
+            with lock:
+                tally.retries += retrying
+                tally.retries_accepted += retrying and response.status_code == 200
+                tally.refused += response.status_code == 429
+                tally.misses += response.status_code == 200
+            retrying = response.status_code == 429
+            if retrying:
+                time.sleep(float(response.headers["retry-after"]))
+            else:
+                text = f"polite {uuid.uuid4().hex} refund please"
+
+
+@dataclass
+class FloodPhase:
+    ordinary: Tally = field(default_factory=Tally)
+    flooder: Tally = field(default_factory=Tally)
+    polite: Tally = field(default_factory=Tally)
+    share: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # flood inputs, fair, total
+
+    def add(self, other: FloodPhase) -> None:
+        self.ordinary.add(other.ordinary)
+        self.flooder.add(other.flooder)
+        self.polite.add(other.polite)
+        self.share = [a + b for a, b in zip(self.share, other.share, strict=True)]
+
+
 def _phase(settings: Settings, models: dict[str, Any], messages: list[str], seconds: float, *,
-           flood: bool) -> tuple[Tally, Tally]:  # fmt: skip
-    runtime = build_runtime(settings, models=models)
-    server = serve_runtime(runtime, port=free_port())
-    ordinary, flooder, lock = Tally(), Tally(), threading.Lock()
-    stop = time.monotonic() + seconds
-    threads = [threading.Thread(target=_ordinary, args=(server.url, i, messages, stop, ordinary, lock))
-               for i in range(ORDINARY)]  # fmt: skip
-    if flood:
-        threads += [threading.Thread(target=_flood, args=(server.url, stop, flooder, lock))
-                    for _ in range(FLOOD_CONNECTIONS)]  # fmt: skip
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        server.close()
-        runtime.close()
-    return ordinary, flooder
+           flood: bool, polite: bool = False) -> FloodPhase:  # fmt: skip
+    result, lock = FloodPhase(), threading.Lock()
+    with _served(settings, models) as (url, runtime):
+        stop = time.monotonic() + seconds
+        threads = [threading.Thread(target=_ordinary, args=(url, i, messages, stop, result.ordinary, lock))
+                   for i in range(ORDINARY)]  # fmt: skip
+        if flood:
+            threads += [threading.Thread(target=_flood, args=(url, stop, result.flooder, lock))
+                        for _ in range(FLOOD_CONNECTIONS)]  # fmt: skip
+        if polite:
+            threads += [threading.Thread(target=_polite, args=(url, stop, result.polite, lock))
+                        for _ in range(POLITE_CONNECTIONS)]  # fmt: skip
+        run_threads(threads)
+        share = runtime.engine.contended_share(client_id(FLOODER))
+        result.share = [float(share.inputs), share.fair, float(share.total)]
+    return result
 
 
-def _backing_off(settings: Settings, models: dict[str, Any], seconds: float) -> tuple[int, int, int]:
-    """(refusals met, retries after waiting Retry-After, retries accepted)."""
+@contextmanager
+def _served(settings: Settings, models: dict[str, Any]) -> Iterator[tuple[str, Runtime]]:
     runtime = build_runtime(settings, models=models)
-    server = serve_runtime(runtime, port=free_port())
-    refusals = retries = accepted = 0
-    stop = time.monotonic() + seconds
     try:
-        with _client(server.url, "203.0.113.99") as http:
-            waited = False
-            while time.monotonic() < stop:
-                response = _infer(http, f"patient {uuid.uuid4().hex} refund please")
-                if waited:
-                    retries += 1
-                    accepted += response.status_code == 200
-                waited = response.status_code == 429
-                if waited:
-                    refusals += 1
-                    time.sleep(float(response.headers["retry-after"]))
+        server = serve_runtime(runtime, port=free_port())
+        try:
+            yield server.url, runtime
+        finally:
+            server.close()
     finally:
-        server.close()
         runtime.close()
-    return refusals, retries, accepted
+
+
+def run_threads(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _idle(settings: Settings, models: dict[str, Any], seconds: float, connections: int) -> tuple[int, int]:
+    """One client alone, new messages as fast as it can from `connections`: (answered, refused)."""
+    counts, lock = Counter[str](), threading.Lock()
+    with _served(settings, models) as (url, _runtime):
+        stop = time.monotonic() + seconds
+
+        def send() -> None:
+            with httpx.Client(base_url=url, timeout=60) as http:
+                while time.monotonic() < stop:
+                    response = _infer(http, f"script {uuid.uuid4().hex} where is my order")
+                    with lock:
+                        counts[str(response.status_code)] += 1
+
+        run_threads([threading.Thread(target=send) for _ in range(connections)])
+    return counts["200"], counts["429"]
 
 
 def _p(values: list[float], q: float) -> float:
@@ -164,46 +227,58 @@ def _p(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="per phase")
+    parser.add_argument("--seconds", type=float, default=20.0, help="per flood phase")
+    parser.add_argument("--idle-seconds", type=float, default=10.0, help="per idle-server phase")
     parser.add_argument("--rounds", type=int, default=2, help="the phases in turn, this many times (pooled)")
     args = parser.parse_args()
     base = replace(Settings.from_env({}), redis_url="off", shadow_sample_rate=0.0, host="127.0.0.1")
     models = {"text": load_models(base)["text"]}
     messages = make_messages(VOCABULARY)
-    phases = {
-        "alone": (base, False),
-        "flood": (base, True),
-        "flood, no budget": (replace(base, client_miss_rate=0.0), True),
-    }
+    no_budget = replace(base, client_miss_rate=0.0)
+    idle = {(budget, n): [0, 0] for budget in ("default budget", "no budget") for n in IDLE_CONNECTIONS}
+    phases = {"alone": (base, False, False), "flood": (base, True, False),
+              "flood, no budget": (no_budget, True, False), "flood + polite script": (base, True, True)}
+    results = {name: FloodPhase() for name in phases}
     # In turn, each phase on a fresh app: the machine's drift falls on every phase alike, and
     # each round replays the same streams (seeded), so its misses are the same inputs.
-    results = {name: (Tally(), Tally()) for name in phases}
     for _ in range(args.rounds):
-        for name, (settings, flood) in phases.items():
-            settings = replace(settings, data_dir=base.data_dir / f"bench-fairness-{name.replace(', ', '-')}")
-            parts = _phase(settings, models, messages, args.seconds, flood=flood)
-            for total, part in zip(results[name], parts, strict=True):
-                total.add(part)
+        for (budget, connections), total in idle.items():
+            settings = base if budget == "default budget" else no_budget
+            settings = replace(settings, data_dir=base.data_dir / "bench-fairness-idle")
+            answered, refused = _idle(settings, models, args.idle_seconds, connections)
+            total[0] += answered
+            total[1] += refused
+        for name, (settings, flood, polite) in phases.items():
+            folder = "bench-fairness-" + "".join(c if c.isalnum() else "-" for c in name)
+            settings = replace(settings, data_dir=base.data_dir / folder)
+            results[name].add(_phase(settings, models, messages, args.seconds, flood=flood, polite=polite))
+    seconds = args.idle_seconds * args.rounds
+    print("idle server, one client sending new messages as fast as it can:")
+    for connections in IDLE_CONNECTIONS:
+        with_budget, without = idle[("default budget", connections)], idle[("no budget", connections)]
+        print(f"  {connections} connection(s): {with_budget[0] / seconds:.1f}/s answered with the default "
+              f"budget ({with_budget[1]} refused, target 0), {without[0] / seconds:.1f}/s without "
+              f"(x{with_budget[0] / max(1, without[0]):.2f})")  # fmt: skip
     print(f"{'phase':<18} {'miss p50':>9} {'miss p99':>9} {'hit p99':>8} {'misses':>7} {'failed':>6} "
-          f"{'flood share':>11} {'flood 429s':>10}")  # fmt: skip
-    alone = results["alone"][0]
-    for name, (ordinary, flooder) in results.items():
-        total = ordinary.misses + flooder.misses
-        share = flooder.misses / total if total else 0.0
+          f"{'flood 429s':>10} {'flood share':>11} {'fair share':>10}")  # fmt: skip
+    alone = results["alone"].ordinary
+    for name, phase in results.items():
+        ordinary, (inputs, fair, total) = phase.ordinary, phase.share
         print(f"{name:<18} {_p(ordinary.miss_ms, 50):>7.1f}ms {_p(ordinary.miss_ms, 99):>7.1f}ms "
               f"{_p(ordinary.hit_ms, 99):>6.2f}ms {ordinary.misses:>7} {ordinary.failed:>6} "
-              f"{share:>10.1%} {flooder.refused:>10}")  # fmt: skip
-    fair = 1 / (ORDINARY + 1)
+              f"{phase.flooder.refused:>10} {inputs / max(1.0, total):>10.1%} "
+              f"{fair / max(1.0, total):>9.1%}")  # fmt: skip
     for name in ("flood", "flood, no budget"):
-        ordinary, flooder = results[name]
-        total = ordinary.misses + flooder.misses
+        phase = results[name]
+        ordinary, (inputs, fair, total) = phase.ordinary, phase.share
         print(f"{name}: miss p99 x{_p(ordinary.miss_ms, 99) / _p(alone.miss_ms, 99):.2f} (target <= 2), "
               f"hit p99 x{_p(ordinary.hit_ms, 99) / _p(alone.hit_ms, 99):.2f} (target <= 1.5), "
-              f"failed {ordinary.failed} (target 0), flood share {flooder.misses / max(1, total):.1%} "
-              f"(target <= {fair + 0.10:.0%})")  # fmt: skip
-    backoff_dir = base.data_dir / "bench-fairness-backoff"
-    refusals, retries, accepted = _backing_off(replace(base, data_dir=backoff_dir), models, args.seconds)
-    print(f"a client honouring Retry-After: {refusals} refusals, {accepted}/{retries} retries accepted")
+              f"failed {ordinary.failed} (target 0), flood share of contended passes "
+              f"{inputs / max(1.0, total):.1%} (target <= {fair / max(1.0, total) + 0.10:.1%}), "
+              f"flood answered {phase.flooder.misses}")  # fmt: skip
+    polite = results["flood + polite script"].polite
+    print(f"flood + polite script: a script honouring Retry-After beside the flood: {polite.misses} answered, "
+          f"{polite.refused} refusals, {polite.retries_accepted}/{polite.retries} retries accepted")  # fmt: skip
 
 
 if __name__ == "__main__":

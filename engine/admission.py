@@ -4,7 +4,10 @@ someone else.
 Every miss about to wait for a forward pass is admitted here first (hits, coalesced answers and
 remembered rejections never get this far). Per task and per replica, a client is *active* while
 it has a miss admitted and not yet through its forward pass; the task is *contended* for a client
-when another client is active on it here. The decision:
+when another client is active on it here, or was within the last CONTENDED_WINDOW_S. (A visitor's
+misses are seconds apart: were only the misses waiting at this instant counted, a flood would
+hold the model with full batches between them, and each of the visitor's misses would wait for
+one.) The decision:
 
 1. The miss spends a token of the client's budget when one is there (engine.fairness.MissBudget:
    CLIENT_MISS_RATE a second up to CLIENT_MISS_BURST, one bucket per client for the fleet, in
@@ -12,7 +15,8 @@ when another client is active on it here. The decision:
    turn (engine.fairness.FairQueue): a visitor clicking through the examples is never refused.
 2. Past its budget, the miss is still admitted when
    - the task is not contended (nobody else wants the model here): the model would otherwise
-     be idle, so a lone script is served as fast as the model goes (counted as `idle`); or
+     be idle, so a lone script is served as fast as the model goes, with as many misses at once
+     as it sends (counted as `idle`); or
    - it is the client's only miss of the task here: round robin serves each waiting client one
      miss per turn, so one waiting miss is never more than the client's share (`one_per_turn`).
 3. Otherwise (others are waiting and the client already has a miss of its own in the queue) it
@@ -32,8 +36,9 @@ among the clients active then).
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from collections.abc import Iterator, Sequence
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -45,6 +50,8 @@ from engine.fairness import MissBudget
 # Past its budget, the retry after a refusal under contention: its own waiting miss is served
 # within a turn (one forward pass per active client).
 RETRY_UNDER_CONTENTION_S = 1.0
+# How long a client's miss keeps a task contended for the others after it was admitted.
+CONTENDED_WINDOW_S = 2.0
 # Clients whose contended share is remembered (the least recent go first).
 SHARE_CLIENTS = 10_000
 DECISIONS = ("budget", "idle", "one_per_turn", "refused")
@@ -61,10 +68,17 @@ class ContendedShare(NamedTuple):
 class MissAdmission:
     """Admits misses (see the module's docstring). Thread-safe; owned by the engine's passes."""
 
-    def __init__(self, budget: MissBudget | None) -> None:
+    def __init__(
+        self, budget: MissBudget | None, *, window_s: float = CONTENDED_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self._budget = budget
+        self._window_s = window_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._active: dict[str, Counter[str]] = {}  # task -> client -> misses admitted, not through
+        # task -> client -> when its last miss was admitted (oldest first; older than the window go)
+        self._recent: dict[str, OrderedDict[str, float]] = {}
         self._decisions: Counter[tuple[str, str]] = Counter()  # (task, decision) -> misses
         self._inputs: LRUCache[str, int] = LRUCache(maxsize=SHARE_CLIENTS)
         self._fair: LRUCache[str, float] = LRUCache(maxsize=SHARE_CLIENTS)
@@ -85,7 +99,7 @@ class MissAdmission:
         with self._lock:
             active = self._active.setdefault(task, Counter())
             own = active[client]
-            contended = len(active) > (1 if own else 0)
+            contended = len(active) > (1 if own else 0) or self._others_recent(task, client)
             active[client] += 1
         try:
             decision = self._decide(client, own, contended)
@@ -112,6 +126,20 @@ class MissAdmission:
         if not own:
             return "one_per_turn"
         raise self._budget.refusal(client, min(wait, RETRY_UNDER_CONTENTION_S))
+
+    def _others_recent(self, task: str, client: str) -> bool:
+        """Whether another client's miss of `task` was admitted within the window; notes this
+        one's (holding the lock)."""
+        now = self._clock()
+        recent = self._recent.setdefault(task, OrderedDict())
+        while recent and next(iter(recent.values())) < now - self._window_s:
+            recent.popitem(last=False)
+        others = len(recent) > (1 if client in recent else 0)
+        recent[client] = now
+        recent.move_to_end(client)
+        if len(recent) > SHARE_CLIENTS:  # a burst of that many clients within the window
+            recent.popitem(last=False)
+        return others
 
     def _leave(self, task: str, client: str) -> None:
         with self._lock:
@@ -145,6 +173,6 @@ class MissAdmission:
             return dict(self._decisions)
 
     def contended(self, task: str) -> bool:
-        """Whether two or more clients are active on `task` here now."""
+        """Whether two or more clients are active on `task` here now (misses in flight)."""
         with self._lock:
             return len(self._active.get(task, ())) >= 2

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from functools import partial
 from typing import Any
 
+from engine.admission import ContendedShare
 from engine.codec import (
     CachedAlias,
     CachedRejection,
@@ -421,6 +422,11 @@ class InferenceEngine:
         """The miss budget (None when off), clients limited now, and waits for a forward pass
         by (task, misses already waiting on arrival) as (count, seconds) (engine.fairness)."""
         return self._passes.fairness_state()
+
+    def contended_share(self, client: str) -> ContendedShare:
+        """`client`'s inputs in the passes that ran while others also wanted the model, against
+        its fair share of them (engine.admission; benchmarks and the fault suite)."""
+        return self._passes.contended_share(client)
 
     # ---- the pipeline -----------------------------------------------------
 

@@ -18,7 +18,7 @@ import pytest
 from admin.charts import all_figures
 from admin.clients_tab import client_rows, proxy_notice
 from bench.gradio_http import GradioHttpClient
-from engine.admission import MissAdmission
+from engine.admission import CONTENDED_WINDOW_S, MissAdmission
 from engine.errors import InvalidInputError, OverBudgetError
 from engine.fairness import ClientLabels, FairQueue, FairSlots, MissBudget, QueueWaits, client_id
 from engine.results import RequestRecord
@@ -113,8 +113,8 @@ def test_redis_down_falls_back_to_each_replicas_own_bucket(
 
 
 def _admission(clock: Clock, *, rate: float = 0.001, burst: int = 2) -> MissAdmission:
-    return MissAdmission(MissBudget(rate=rate, burst=burst, shared=None, local=LocalBuckets(clock=clock),
-                                    clock=clock))  # fmt: skip
+    budget = MissBudget(rate=rate, burst=burst, shared=None, local=LocalBuckets(clock=clock), clock=clock)
+    return MissAdmission(budget, clock=clock)
 
 
 def test_alone_a_client_past_its_budget_is_served_as_fast_as_it_asks() -> None:
@@ -147,16 +147,37 @@ def test_under_contention_a_client_past_its_budget_keeps_one_miss_per_turn() -> 
                 pass
         with admission.admitted("text", flood):  # its waiting miss went through: its next turn
             pass
-        for _ in range(2):  # the visitor, within its own budget, is never refused
-            with admission.admitted("text", visitor):
-                pass
+        with admission.admitted("text", visitor):  # the visitor, within its budget: never refused
+            pass
     assert not admission.contended("text")
+    clock.now += CONTENDED_WINDOW_S + 0.1
     with ExitStack() as held:  # the visitor gone, the flood alone again: served
         for _ in range(4):
             held.enter_context(admission.admitted("text", flood))
     decisions = admission.state()
     assert decisions[("text", "refused")] == 1
     assert decisions[("text", "one_per_turn")] == 2
+
+
+def test_a_visitor_s_recent_miss_keeps_the_model_contended_for_a_while() -> None:
+    # A visitor's misses are seconds apart: between them the flood keeps one miss at a time,
+    # so its passes stay small and the visitor's next miss waits for one of them at most.
+    clock = Clock()
+    admission = _admission(clock)
+    flood, visitor = "198.51.100.1", "203.0.113.7"
+    for _ in range(2):
+        with admission.admitted("text", flood):
+            pass
+    with admission.admitted("text", visitor):
+        pass
+    clock.now += CONTENDED_WINDOW_S / 2
+    with admission.admitted("text", flood):  # nothing of the visitor's in flight, but recent
+        with pytest.raises(OverBudgetError):
+            with admission.admitted("text", flood):
+                pass
+    clock.now += CONTENDED_WINDOW_S
+    with admission.admitted("text", flood), admission.admitted("text", flood):  # alone for a while
+        pass
 
 
 def test_the_app_s_own_misses_are_admitted_and_contend_with_nobody() -> None:
