@@ -277,8 +277,9 @@ def main() -> None:
               f"{inputs / max(1.0, total):.1%} (target <= {fair / max(1.0, total) + 0.10:.1%}), "
               f"flood answered {phase.flooder.misses}")  # fmt: skip
     polite = results["flood + polite script"].polite
-    print(f"flood + polite script: a script honouring Retry-After beside the flood: {polite.misses} answered, "
-          f"{polite.refused} refusals, {polite.retries_accepted}/{polite.retries} retries accepted")  # fmt: skip
+    print(f"flood + polite script: a script honouring Retry-After beside the flood: {polite.misses} "
+          f"answered, {polite.refused} refusals, {polite.retries_accepted}/{polite.retries} retries "
+          "accepted")  # fmt: skip
 
 
 if __name__ == "__main__":
