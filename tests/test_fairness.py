@@ -171,10 +171,9 @@ def test_a_visitor_s_recent_miss_keeps_the_model_contended_for_a_while() -> None
     with admission.admitted("text", visitor):
         pass
     clock.now += CONTENDED_WINDOW_S / 2
-    with admission.admitted("text", flood):  # nothing of the visitor's in flight, but recent
-        with pytest.raises(OverBudgetError):
-            with admission.admitted("text", flood):
-                pass
+    # Nothing of the visitor's in flight, but recent: the flood's second miss at once is refused.
+    with admission.admitted("text", flood), pytest.raises(OverBudgetError), admission.admitted("text", flood):
+        pass
     clock.now += CONTENDED_WINDOW_S
     with admission.admitted("text", flood), admission.admitted("text", flood):  # alone for a while
         pass
