@@ -19,9 +19,11 @@ one.) The decision:
      as it sends (counted as `idle`); or
    - it is the client's only miss of the task here: round robin serves each waiting client one
      miss per turn, so one waiting miss is never more than the client's share (`one_per_turn`).
-3. Otherwise (others are waiting and the client already has a miss of its own in the queue) it
-   is refused: OverBudgetError, 429 + Retry-After / Gradio's message. Its own waiting miss is
-   served within a turn, so the retry is due in a second.
+3. Otherwise (others want the model and the client already has a miss of its own in the
+   queue) it is refused: OverBudgetError, 429 + Retry-After / Gradio's message. Retry-After is
+   when its next token is there: a miss sent then is admitted whatever the contention. (Its
+   waiting miss is usually through sooner, and a client that sends one miss at a time is never
+   refused at all.)
 
 Contention is measured per replica because the model is: a replica whose model is idle serves
 whoever asks, whatever another replica is doing. The client's history is the fleet's: its bucket
@@ -47,9 +49,6 @@ from cachetools import LRUCache
 from engine.errors import OverBudgetError
 from engine.fairness import MissBudget
 
-# Past its budget, the retry after a refusal under contention: its own waiting miss is served
-# within a turn (one forward pass per active client).
-RETRY_UNDER_CONTENTION_S = 1.0
 # How long a client's miss keeps a task contended for the others after it was admitted.
 CONTENDED_WINDOW_S = 2.0
 # Clients whose contended share is remembered (the least recent go first).
@@ -125,7 +124,7 @@ class MissAdmission:
             return "idle"
         if not own:
             return "one_per_turn"
-        raise self._budget.refusal(client, min(wait, RETRY_UNDER_CONTENTION_S))
+        raise self._budget.refusal(client, wait)  # Retry-After: a token is there then, whoever waits
 
     def _others_recent(self, task: str, client: str) -> bool:
         """Whether another client's miss of `task` was admitted within the window; notes this

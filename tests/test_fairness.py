@@ -142,7 +142,7 @@ def test_under_contention_a_client_past_its_budget_keeps_one_miss_per_turn() -> 
         with admission.admitted("text", flood):  # one of the flood's: its share of the turn
             with pytest.raises(OverBudgetError) as refused, admission.admitted("text", flood):
                 pass
-            assert refused.value.wait_s == 1  # its own waiting miss is through within a turn
+            assert refused.value.wait_s == 1000  # until its next token (rate 0.001/s)
             with admission.admitted("image", flood):  # another task's model is not contended
                 pass
         with admission.admitted("text", flood):  # its waiting miss went through: its next turn
@@ -279,7 +279,7 @@ def test_only_misses_spend_and_a_refusal_is_logged_as_its_own_status(make_runtim
     with contended(runtime, "text", "198.51.100.10", flood):  # another client waits; so does one of its
         with pytest.raises(OverBudgetError) as refused:
             engine.classify("text", "three", client=flood)
-        assert refused.value.wait_s == 1
+        assert refused.value.wait_s == 100  # until its next token (rate 0.01/s)
         for _ in range(5):  # hits and remembered rejections are never refused
             assert engine.classify("text", "one", client=flood).tier == "l1"
             with pytest.raises(InvalidInputError):
@@ -312,7 +312,7 @@ def test_rest_answers_429_with_retry_after_and_still_serves_hits(serve) -> None:
     with contended(runtime, "text", "203.0.113.99", "203.0.113.5"):
         refused = _infer(url, "third message", "203.0.113.5")
         assert refused.status_code == 429
-        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["retry-after"] == "20"  # until its next token (rate 0.05/s)
         assert "Too many new inputs from your address" in refused.json()["error"]
         hit = _infer(url, "hello there", "203.0.113.5")  # from memory, on the event loop
         assert hit.status_code == 200 and hit.json()["parameters"]["tier"] == "l1"
@@ -395,7 +395,7 @@ def test_gradio_shows_the_budget_message_and_serves_hits(serve) -> None:
         refused = _gradio_call(url, "gradio second", "203.0.113.7")
         assert refused.error_message is not None
         assert "Too many new inputs from your address at once while others wait for the model; answers " \
-               "already cached still work; try again in 1 s." in refused.error_message  # fmt: skip
+               "already cached still work; try again in 20 s." in refused.error_message  # fmt: skip
         assert _gradio_call(url, "gradio first", "203.0.113.7").outputs[1]["tier"] == "l1"
         assert _gradio_call(url, "gradio second", "203.0.113.8").outputs[1]["tier"] == "miss"
 
