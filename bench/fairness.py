@@ -28,11 +28,13 @@ the clients wanting the model then; engine.admission). Targets: miss p99 <= 2x a
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -95,7 +97,7 @@ def _ordinary(
     weights = 1.0 / np.arange(1, len(messages) + 1) ** ZIPF_S
     weights /= weights.sum()
     with _client(url, f"203.0.113.{10 + index}") as http:
-        while time.monotonic() < stop:
+        while time.time() < stop:
             text = messages[int(rng.choice(len(messages), p=weights))]
             started = time.perf_counter()
             try:
@@ -117,7 +119,7 @@ def _ordinary(
 
 def _flood(url: str, stop: float, tally: Tally, lock: threading.Lock) -> None:
     with _client(url, FLOODER) as http:
-        while time.monotonic() < stop:
+        while time.time() < stop:
             try:
                 response = _infer(http, f"new input {uuid.uuid4().hex} where is my parcel")
             except httpx.HTTPError:
@@ -129,12 +131,20 @@ def _flood(url: str, stop: float, tally: Tally, lock: threading.Lock) -> None:
                     tally.misses += 1
 
 
+def _flood_all(url: str, stop: float) -> tuple[int, int]:
+    """FLOOD_CONNECTIONS flooding threads until `stop` (wall clock): (refused, answered misses)."""
+    tally, lock = Tally(), threading.Lock()
+    run_threads([threading.Thread(target=_flood, args=(url, stop, tally, lock))
+                 for _ in range(FLOOD_CONNECTIONS)])  # fmt: skip
+    return tally.refused, tally.misses
+
+
 def _polite(url: str, stop: float, tally: Tally, lock: threading.Lock) -> None:
     """A script that honours Retry-After: on a 429 it waits, then sends the same message again."""
     with _client(url, POLITE) as http:
         text = f"polite {uuid.uuid4().hex} refund please"
         retrying = False
-        while time.monotonic() < stop:
+        while time.time() < stop:
             try:
                 response = _infer(http, text)
             except httpx.HTTPError:
@@ -166,19 +176,21 @@ class FloodPhase:
 
 
 def _phase(settings: Settings, models: dict[str, Any], messages: list[str], seconds: float, *,
-           flood: bool, polite: bool = False) -> FloodPhase:  # fmt: skip
+           flood_pool: Executor, flood: bool, polite: bool = False) -> FloodPhase:  # fmt: skip
     result, lock = FloodPhase(), threading.Lock()
     with _served(settings, models) as (url, runtime):
-        stop = time.monotonic() + seconds
+        stop = time.time() + seconds
         threads = [threading.Thread(target=_ordinary, args=(url, i, messages, stop, result.ordinary, lock))
                    for i in range(ORDINARY)]  # fmt: skip
-        if flood:
-            threads += [threading.Thread(target=_flood, args=(url, stop, result.flooder, lock))
-                        for _ in range(FLOOD_CONNECTIONS)]  # fmt: skip
+        # The flood runs in a process of its own, as it would on another machine: its client work
+        # must not hold this process's GIL (the server's and the ordinary clients').
+        flooding = flood_pool.submit(_flood_all, url, stop) if flood else None
         if polite:
             threads += [threading.Thread(target=_polite, args=(url, stop, result.polite, lock))
                         for _ in range(POLITE_CONNECTIONS)]  # fmt: skip
         run_threads(threads)
+        if flooding is not None:
+            result.flooder.refused, result.flooder.misses = flooding.result()
         share = runtime.engine.contended_share(client_id(FLOODER))
         result.share = [float(share.inputs), share.fair, float(share.total)]
     return result
@@ -208,11 +220,11 @@ def _idle(settings: Settings, models: dict[str, Any], seconds: float, connection
     """One client alone, new messages as fast as it can from `connections`: (answered, refused)."""
     counts, lock = Counter[str](), threading.Lock()
     with _served(settings, models) as (url, _runtime):
-        stop = time.monotonic() + seconds
+        stop = time.time() + seconds
 
         def send() -> None:
             with httpx.Client(base_url=url, timeout=60) as http:
-                while time.monotonic() < stop:
+                while time.time() < stop:
                     response = _infer(http, f"script {uuid.uuid4().hex} where is my order")
                     with lock:
                         counts[str(response.status_code)] += 1
@@ -223,6 +235,26 @@ def _idle(settings: Settings, models: dict[str, Any], seconds: float, connection
 
 def _p(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _measure(args: argparse.Namespace, base: Settings, no_budget: Settings, models: dict[str, Any],
+             messages: list[str], idle: dict[tuple[str, int], list[int]], results: dict[str, FloodPhase],
+             phases: dict[str, tuple[Settings, bool, bool]], flood_pool: Executor) -> None:  # fmt: skip
+    flood_pool.submit(time.time).result()  # started before any phase's clock runs
+    # In turn, each phase on a fresh app: the machine's drift falls on every phase alike, and
+    # each round replays the same streams (seeded), so its misses are the same inputs.
+    for _ in range(args.rounds):
+        for (budget, connections), total in idle.items():
+            settings = base if budget == "default budget" else no_budget
+            settings = replace(settings, data_dir=base.data_dir / "bench-fairness-idle")
+            answered, refused = _idle(settings, models, args.idle_seconds, connections)
+            total[0] += answered
+            total[1] += refused
+        for name, (settings, flood, polite) in phases.items():
+            folder = "bench-fairness-" + "".join(c if c.isalnum() else "-" for c in name)
+            settings = replace(settings, data_dir=base.data_dir / folder)
+            results[name].add(_phase(settings, models, messages, args.seconds, flood_pool=flood_pool,
+                                     flood=flood, polite=polite))  # fmt: skip
 
 
 def main() -> None:
@@ -239,19 +271,8 @@ def main() -> None:
     phases = {"alone": (base, False, False), "flood": (base, True, False),
               "flood, no budget": (no_budget, True, False), "flood + polite script": (base, True, True)}
     results = {name: FloodPhase() for name in phases}
-    # In turn, each phase on a fresh app: the machine's drift falls on every phase alike, and
-    # each round replays the same streams (seeded), so its misses are the same inputs.
-    for _ in range(args.rounds):
-        for (budget, connections), total in idle.items():
-            settings = base if budget == "default budget" else no_budget
-            settings = replace(settings, data_dir=base.data_dir / "bench-fairness-idle")
-            answered, refused = _idle(settings, models, args.idle_seconds, connections)
-            total[0] += answered
-            total[1] += refused
-        for name, (settings, flood, polite) in phases.items():
-            folder = "bench-fairness-" + "".join(c if c.isalnum() else "-" for c in name)
-            settings = replace(settings, data_dir=base.data_dir / folder)
-            results[name].add(_phase(settings, models, messages, args.seconds, flood=flood, polite=polite))
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as flood_pool:
+        _measure(args, base, no_budget, models, messages, idle, results, phases, flood_pool)
     seconds = args.idle_seconds * args.rounds
     print("idle server, one client sending new messages as fast as it can:")
     for connections in IDLE_CONNECTIONS:

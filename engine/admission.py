@@ -30,9 +30,9 @@ whoever asks, whatever another replica is doing. The client's history is the fle
 is shared through Redis, so a client that took every idle pass on one replica meets contention
 on any other with its tokens spent.
 
-`record_pass` also measures what fairness promises: over the passes that ran while two or more
-clients were active, each client's inputs against its fair share (each pass's inputs divided
-among the clients active then).
+`record_pass` also measures what fairness promises: over the passes formed while two or more
+clients had misses waiting for them, each client's inputs against its fair share (each pass's
+inputs divided among the clients waiting then).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ DECISIONS = ("budget", "idle", "one_per_turn", "refused")
 
 
 class ContendedShare(NamedTuple):
-    """Over the passes that ran while two or more clients were active on a task."""
+    """Over the passes formed while two or more clients had misses waiting for them."""
 
     inputs: int  # the client's inputs in those passes
-    fair: float  # its fair share of them: each pass's inputs / the clients active then
+    fair: float  # its fair share of them: each pass's inputs / the clients waiting then
     total: int  # every input of those passes
 
 
@@ -147,17 +147,18 @@ class MissAdmission:
             if active[client] <= 0:
                 del active[client]
 
-    def record_pass(self, task: str, clients: Sequence[str | None]) -> None:
-        """A forward pass of `task` starts on these clients' inputs (None: the app's own)."""
+    def record_pass(self, task: str, clients: Sequence[str | None], competing: Sequence[str]) -> None:
+        """A forward pass of `task` starts on these clients' inputs (None: the app's own), taken
+        from the pass queue while `competing` clients had misses waiting in it ("": the app's)."""
+        rivals = [c for c in dict.fromkeys(competing) if c]
+        if len(rivals) < 2:
+            return
+        share = len(clients) / len(rivals)
         with self._lock:
-            active = list(self._active.get(task, ()))
-            if len(active) < 2:
-                return
-            share = len(clients) / len(active)
-            for client in active:
+            for client in rivals:
                 self._fair[client] = self._fair.get(client, 0.0) + share
             for client in clients:
-                if client is not None:
+                if client:
                     self._inputs[client] = self._inputs.get(client, 0) + 1
             self._contended_inputs += len(clients)
 

@@ -57,14 +57,15 @@ class MicroBatcher:
         model: Classifier,
         *,
         max_batch: int,
-        on_pass: Callable[[list[str | None]], None] | None = None,
+        on_pass: Callable[[list[str | None], list[str]], None] | None = None,
         waits: QueueWaits | None = None,
     ) -> None:
         if max_batch < 2:
             raise ValueError("max_batch must be >= 2 (1 means: do not batch)")
         self._model = model
-        # Told each forward pass's clients (None: the app's own), one per input: the batch-size
-        # histogram and the contended shares (engine.admission).
+        # Told each forward pass's clients (None: the app's own), one per input, and the clients
+        # that were waiting when it was formed ("": the app's own): the batch-size histogram and
+        # the contended shares (engine.admission).
         self._on_pass = on_pass
         self._max_batch = max_batch
         self._cond = threading.Condition()
@@ -88,6 +89,7 @@ class MicroBatcher:
             if not waiter.done:
                 self._running = True
                 count = min(self._max_batch, len(self._waiting))
+                competing = self._waiting.clients()
                 batch = [self._waiting.pop() for _ in range(count)]
         if not waiter.done and self._waits is not None:
             now = time.perf_counter()
@@ -95,7 +97,7 @@ class MicroBatcher:
                 self._waits.record(self._model.task, taken.depth, now - taken.arrived)
         if not waiter.done:
             try:
-                self._run(batch)
+                self._run(batch, competing)
             finally:
                 with self._cond:
                     for other in batch:  # only if the pass was interrupted (KeyboardInterrupt...)
@@ -108,10 +110,10 @@ class MicroBatcher:
         assert waiter.answer is not None
         return waiter.answer
 
-    def _run(self, batch: Sequence[_Waiter]) -> None:
+    def _run(self, batch: Sequence[_Waiter], competing: list[str]) -> None:
         started = time.perf_counter()
         if self._on_pass is not None:
-            self._on_pass([w.client for w in batch])
+            self._on_pass([w.client for w in batch], competing)
         try:
             predictions = self._model.predict_batch([w.item for w in batch])
             if len(predictions) != len(batch):
@@ -119,7 +121,7 @@ class MicroBatcher:
         except Exception as exc:
             if len(batch) > 1:
                 for waiter in batch:  # one bad input must not fail the others
-                    self._run([waiter])
+                    self._run([waiter], [waiter.client or ""])
                 return
             self._finish(batch[0], None, exc)
             return

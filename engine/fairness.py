@@ -167,6 +167,10 @@ class FairQueue(Generic[T]):
         self._by_client.setdefault(client, deque()).append(item)
         self._count += 1
 
+    def clients(self) -> list[str]:
+        """The clients with items waiting, in the order they will be served."""
+        return list(self._by_client)
+
     def peek(self) -> T:
         return next(iter(self._by_client.values()))[0]
 
@@ -203,10 +207,11 @@ class QueueWaits:
 
 
 class _Waiter:
-    __slots__ = ("event",)
+    __slots__ = ("competing", "event")
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.competing: list[str] = []  # the clients waiting when it was handed the slot
 
 
 class FairSlots:
@@ -221,7 +226,9 @@ class FairSlots:
         self._queue: FairQueue[_Waiter] = FairQueue()
 
     @contextmanager
-    def slot(self, client: str | None) -> Iterator[None]:
+    def slot(self, client: str | None) -> Iterator[list[str]]:
+        """Holds a pass slot; yields the clients that were waiting for it when this one got it
+        (itself alone when none waited)."""
         waiter = None
         with self._lock:
             depth = len(self._queue)
@@ -238,13 +245,16 @@ class FairSlots:
         elif self._waits is not None:
             self._waits.record(self._task, 0, 0.0)
         try:
-            yield
+            yield waiter.competing if waiter is not None else [client or ""]
         finally:
             self._release()
 
     def _release(self) -> None:
         with self._lock:
             if len(self._queue):
-                self._queue.pop().event.set()
+                competing = self._queue.clients()
+                waiter = self._queue.pop()
+                waiter.competing = competing
+                waiter.event.set()
             else:
                 self._free += 1

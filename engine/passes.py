@@ -78,9 +78,9 @@ class ModelPasses:
         with self._admission.admitted(task, client):
             yield
 
-    def _record_pass(self, task: str, clients: list[str | None]) -> None:
+    def _record_pass(self, task: str, clients: list[str | None], competing: list[str]) -> None:
         self._on_pass(task, len(clients))
-        self._admission.record_pass(task, clients)
+        self._admission.record_pass(task, clients, competing)
 
     def run(self, model: Classifier, canonical: Any, client: str | None) -> PassResult:
         """The model's prediction for one canonical input, in its turn (raises what the
@@ -90,9 +90,9 @@ class ModelPasses:
         if batcher is not None and batcher.model is model:  # else swapped meanwhile: its own pass
             prediction, batch_size, forward_s = batcher.predict(canonical, client)
             return PassResult(prediction, forward_s, 1.0 / batch_size)
-        with self._slots[task].slot(client):
+        with self._slots[task].slot(client) as competing:
             started = time.perf_counter()  # the pass, not the wait for a slot
-            self._record_pass(task, [client])
+            self._record_pass(task, [client], competing)
             prediction = model.predict_batch([canonical])[0]
             return PassResult(prediction, time.perf_counter() - started, 1.0)
 

@@ -186,15 +186,39 @@ def test_the_app_s_own_misses_are_admitted_and_contend_with_nobody() -> None:
     assert admission.state() == {}
 
 
-def test_contended_share_counts_each_pass_against_the_clients_active_then() -> None:
+def test_contended_share_counts_each_pass_against_the_clients_waiting_for_it() -> None:
     admission = MissAdmission(None)
-    admission.record_pass("text", ["a", "a"])  # alone: not contended
-    with admission.admitted("text", "a"), admission.admitted("text", "a"), admission.admitted("text", "b"):
-        admission.record_pass("text", ["a", "a", "b", "a"])  # 4 inputs, 2 clients: 2 each
-        admission.record_pass("text", ["b"])
+    admission.record_pass("text", ["a", "a"], ["a"])  # alone: not contended
+    admission.record_pass("text", ["a", "a", "b", "a"], ["a", "b"])  # 4 inputs, 2 clients: 2 each
+    admission.record_pass("text", ["b"], ["b", "a", ""])  # the app's own work competes with nobody
     a, b = admission.contended_share("a"), admission.contended_share("b")
     assert (a.inputs, a.fair, a.total) == (3, 2.5, 5)
     assert (b.inputs, b.fair) == (2, 2.5)
+
+
+def test_round_robin_slots_name_the_clients_each_pass_was_taken_from() -> None:
+    slots = FairSlots(1, task="image")
+    seen: dict[str, list[str]] = {}
+    gate = threading.Event()
+
+    def miss(client: str) -> None:
+        with slots.slot(client) as competing:
+            seen[client] = competing
+            if client == "first":
+                gate.wait(5)
+
+    threads = [threading.Thread(target=miss, args=(c,)) for c in ("first", "flood", "visitor")]
+    threads[0].start()
+    while "first" not in seen:
+        time.sleep(0.001)
+    for n, thread in enumerate(threads[1:], start=1):
+        thread.start()
+        while len(slots._queue) < n:
+            time.sleep(0.001)
+    gate.set()
+    for thread in threads:
+        thread.join(5)
+    assert seen == {"first": ["first"], "flood": ["flood", "visitor"], "visitor": ["visitor"]}
 
 
 # ---- fair queueing ----------------------------------------------------------------------
