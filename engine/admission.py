@@ -98,7 +98,8 @@ class MissAdmission:
         with self._lock:
             active = self._active.setdefault(task, Counter())
             own = active[client]
-            contended = len(active) > (1 if own else 0) or self._others_recent(task, client)
+            recent = self._others_recent(task, client)  # first: it notes this miss for the others
+            contended = recent or len(active) > (1 if own else 0)
             active[client] += 1
         try:
             decision = self._decide(client, own, contended)

@@ -176,7 +176,11 @@ def test_a_visitor_s_recent_miss_keeps_the_model_contended_for_a_while() -> None
         pass
     clock.now += CONTENDED_WINDOW_S
     with admission.admitted("text", flood), admission.admitted("text", flood):  # alone for a while
-        pass
+        with admission.admitted("text", visitor):  # a visitor's miss while the flood's are in flight
+            pass
+    clock.now += CONTENDED_WINDOW_S / 2
+    with admission.admitted("text", flood), pytest.raises(OverBudgetError), admission.admitted("text", flood):
+        pass  # the visitor's miss is remembered however it found the model
 
 
 def test_the_app_s_own_misses_are_admitted_and_contend_with_nobody() -> None:
