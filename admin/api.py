@@ -4,13 +4,13 @@ Wrong or missing token: 401 and nothing changes. Repeated failures from one
 client: 429 for a while. Health and metrics endpoints live here too.
 
 A body is read only once the token is checked (its size is bounded in front of the app,
-`ui.limits`), and anything but a JSON object counts as `{}`: the action checks every field.
+`ui.limits`), and strictly (admin.bodies): anything but a JSON object of the endpoint's
+documented fields is a 400 and changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from admin.auth import AdminAuth, AuthOutcome, bearer_token
+from admin.bodies import BodySpec, parse_body
 from admin.hard_examples_api import add_hard_example_routes
 from admin.metrics import Metrics
 from admin.service import AdminService, FleetUnavailableError, LogUnavailableError
@@ -45,9 +46,10 @@ _ENTRY_DOCS = _body_docs(
 )
 
 
-def _object_field(body: dict[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    return value if isinstance(value, str) else None
+FLUSH_BODY = BodySpec({"tier": "string"}, required=("tier",))
+NOTE_BODY = BodySpec({"note": "string"}, empty_ok=True)  # bump, reload: the note is optional
+CLEANUP_BODY = BodySpec({"dry_run": "boolean"}, empty_ok=True)
+ENTRY_BODY = BodySpec({"task": "string", "input": "string", "input_base64": "string"}, required=("task",))
 
 
 def _fleet_status(result: dict[str, Any]) -> int:
@@ -81,12 +83,13 @@ def build_router(
     def actor(request: Request) -> str:
         return f"{auth.fingerprint} api {client_address(request)}"[:64]
 
-    async def json_body(request: Request) -> dict[str, Any]:
+    async def strict_body(request: Request, spec: BodySpec) -> dict[str, Any] | JSONResponse:
+        """The body's documented fields, or the 400 that refuses it (admin.bodies)."""
         try:
-            body = json.loads(await request.body())
-        except (ValueError, RecursionError):  # not JSON or UTF-8, a huge integer; nested too deeply
-            return {}
-        return body if isinstance(body, dict) else {}
+            return parse_body(await request.body(), spec)
+        except InvalidInputError as exc:
+            log.info("admin %s refused: %s", request.url.path, exc.message)
+            return JSONResponse({"error": exc.message}, status_code=400)
 
     @router.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -124,9 +127,11 @@ def build_router(
     async def admin_flush(request: Request) -> JSONResponse:
         if (refused := authorize(request)) is not None:
             return refused
-        body = await json_body(request)
+        body = await strict_body(request, FLUSH_BODY)
+        if isinstance(body, JSONResponse):
+            return body
         try:
-            tier = _object_field(body, "tier") or ""  # then refused, naming the tiers
+            tier = body["tier"]  # an unknown tier is refused, naming the tiers
             result = await asyncio.to_thread(admin.flush, tier, actor=actor(request))
         except InvalidInputError as exc:
             return JSONResponse({"error": exc.message}, status_code=400)
@@ -136,8 +141,10 @@ def build_router(
     async def admin_bump(request: Request) -> JSONResponse:
         if (refused := authorize(request)) is not None:
             return refused
-        note = _object_field(await json_body(request), "note")
-        result = await asyncio.to_thread(admin.bump_version, actor=actor(request), note=note)
+        body = await strict_body(request, NOTE_BODY)
+        if isinstance(body, JSONResponse):
+            return body
+        result = await asyncio.to_thread(admin.bump_version, actor=actor(request), note=body.get("note"))
         return JSONResponse(result, status_code=_fleet_status(result) if result["ok"] else 503)
 
     @router.get("/admin/api/replicas")
@@ -156,9 +163,12 @@ def build_router(
         pass the check (the old model keeps serving); 202 when some replica did not confirm."""
         if (refused := authorize(request)) is not None:
             return refused
-        note = _object_field(await json_body(request), "note")
+        body = await strict_body(request, NOTE_BODY)
+        if isinstance(body, JSONResponse):
+            return body
         try:
-            result = await asyncio.to_thread(admin.reload_model, task, actor=actor(request), note=note)
+            result = await asyncio.to_thread(admin.reload_model, task, actor=actor(request),
+                                             note=body.get("note"))  # fmt: skip
         except InvalidInputError as exc:
             return JSONResponse({"ok": False, "error": exc.message}, status_code=404)
         except ReloadBusyError as exc:
@@ -186,7 +196,10 @@ def build_router(
         versions and generations in the background: 202 with the progress; 409 while one runs."""
         if (refused := authorize(request)) is not None:
             return refused
-        dry_run = (await json_body(request)).get("dry_run", True) is not False
+        body = await strict_body(request, CLEANUP_BODY)
+        if isinstance(body, JSONResponse):
+            return body
+        dry_run = body.get("dry_run") is not False  # a dry run unless told otherwise
         try:
             progress = admin.start_cleanup(dry_run=dry_run, actor=actor(request))
         except InvalidInputError as exc:
@@ -211,7 +224,9 @@ def build_router(
     async def entry_call(request: Request, action: str) -> JSONResponse:
         if (refused := authorize(request)) is not None:
             return refused
-        body = await json_body(request)
+        body = await strict_body(request, ENTRY_BODY)
+        if isinstance(body, JSONResponse):
+            return body
         try:
             task, raw = entry_input(body)
             if action == "inspect":
@@ -233,5 +248,5 @@ def build_router(
         return await entry_call(request, "evict")
 
     add_hard_example_routes(router, admin.hard_examples, authorize=authorize, actor=actor,
-                            json_body=json_body)  # fmt: skip
+                            strict_body=strict_body)  # fmt: skip
     return router

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from admin.bodies import BodySpec
 from admin.hard_examples import HardExampleAdmin
 from engine.errors import InvalidInputError
 
@@ -31,6 +32,8 @@ _LABEL_DOCS = {"requestBody": {"required": True, "content": {"application/json":
         "task": {"type": "string"}, "label": {"type": "string", "description": "a class, or 'none of these'"},
         "action": {"enum": ["label", "none", "skip", "delete"]}}}}}}}  # fmt: skip
 
+
+LABEL_BODY = BodySpec({"task": "string", "label": "string", "action": "string"})
 
 def _refused(what: str, exc: InvalidInputError) -> JSONResponse:
     status = _STATUS.get(exc.code, 400)
@@ -44,7 +47,7 @@ def add_hard_example_routes(
     *,
     authorize: Callable[[Request], JSONResponse | None],
     actor: Callable[[Request], str],
-    json_body: Callable[[Request], Awaitable[dict[str, Any]]],
+    strict_body: Callable[[Request, BodySpec], Awaitable[dict[str, Any] | JSONResponse]],
 ) -> None:
     @router.get("/admin/api/hard-examples")
     async def hard_examples(request: Request, task: str | None = None, state: str = "all",
@@ -79,9 +82,10 @@ def add_hard_example_routes(
         """Label one example (a class of the model, or "none of these"), skip it or delete it."""
         if (refused := authorize(request)) is not None:
             return refused
-        body = await json_body(request)
-        task, label, action = (v if isinstance(v, str) else None for v in
-                               (body.get("task"), body.get("label"), body.get("action")))  # fmt: skip
+        body = await strict_body(request, LABEL_BODY)
+        if isinstance(body, JSONResponse):
+            return body
+        task, label, action = body.get("task"), body.get("label"), body.get("action")
         if action is None and label is None:
             return _refused("hard-example label", InvalidInputError(
                 "bad_request", 'the body needs "label" (a class or "none of these") or "action"'))

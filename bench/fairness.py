@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -58,6 +59,7 @@ FLOODER = "198.51.100.66"
 POLITE = "198.51.100.77"
 POLITE_CONNECTIONS = 2
 IDLE_CONNECTIONS = (1, 8)
+FLOOD_LEAD_S = 3.0  # the flood starts this long before the others (every phase waits it alike)
 
 
 @dataclass
@@ -131,6 +133,12 @@ def _flood(url: str, stop: float, tally: Tally, lock: threading.Lock) -> None:
                     tally.misses += 1
 
 
+def _lowest_priority() -> None:
+    """The flood's own client work yields the CPUs to the server's (on another machine it
+    would not compete at all); the server's work for the flood is not lowered."""
+    os.nice(19)
+
+
 def _flood_all(url: str, stop: float) -> tuple[int, int]:
     """FLOOD_CONNECTIONS flooding threads until `stop` (wall clock): (refused, answered misses)."""
     tally, lock = Tally(), threading.Lock()
@@ -179,12 +187,14 @@ def _phase(settings: Settings, models: dict[str, Any], messages: list[str], seco
            flood_pool: Executor, flood: bool, polite: bool = False) -> FloodPhase:  # fmt: skip
     result, lock = FloodPhase(), threading.Lock()
     with _served(settings, models) as (url, runtime):
-        stop = time.time() + seconds
+        stop = time.time() + FLOOD_LEAD_S + seconds
         threads = [threading.Thread(target=_ordinary, args=(url, i, messages, stop, result.ordinary, lock))
                    for i in range(ORDINARY)]  # fmt: skip
         # The flood runs in a process of its own, as it would on another machine: its client work
-        # must not hold this process's GIL (the server's and the ordinary clients').
+        # must not hold this process's GIL (the server's and the ordinary clients'). It is already
+        # going when the others come, as a flood is (its burst spent, the steady state measured).
         flooding = flood_pool.submit(_flood_all, url, stop) if flood else None
+        time.sleep(FLOOD_LEAD_S)
         if polite:
             threads += [threading.Thread(target=_polite, args=(url, stop, result.polite, lock))
                         for _ in range(POLITE_CONNECTIONS)]  # fmt: skip
@@ -271,7 +281,8 @@ def main() -> None:
     phases = {"alone": (base, False, False), "flood": (base, True, False),
               "flood, no budget": (no_budget, True, False), "flood + polite script": (base, True, True)}
     results = {name: FloodPhase() for name in phases}
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as flood_pool:
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=_lowest_priority) as flood_pool:
         _measure(args, base, no_budget, models, messages, idle, results, phases, flood_pool)
     seconds = args.idle_seconds * args.rounds
     print("idle server, one client sending new messages as fast as it can:")

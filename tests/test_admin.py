@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from gradio_client import Client
 from prometheus_client.parser import text_string_to_metric_families
@@ -317,3 +318,41 @@ class TestHttp:
             time.sleep(0.1)
         assert call(url, "/readyz")[1]["l2"] == "down"
         assert call(url, "/healthz") == (200, {"status": "ok"})
+
+
+GARBAGE_BODIES = [b"\x00", b"not json", b"[]", b'"all"', b"1", b"null", b"{", b'{"tier": "all"} trailing']
+
+
+@SQLITE_ONLY
+def test_admin_posts_refuse_any_body_but_their_documented_object_and_change_nothing(served) -> None:
+    url, runtime = served
+    runtime.engine.classify("text", "stay cached")
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    wrong_fields = {
+        "/admin/api/flush": [{}, {"tier": 1}, {"tier": "all", "force": True}, {"tier": None}],
+        "/admin/api/bump-version": [{"note": 5}, {"nte": "typo"}, {"note": ["x"]}],
+        "/admin/api/models/text/reload": [{"note": {}}, {"unknown": 1}],
+        "/admin/api/l2/cleanup": [{"dry_run": "false"}, {"dry_run": 0}, {"dryrun": False}],
+        "/admin/api/evict": [{}, {"task": 1, "input": "stay cached"},
+                             {"task": "text", "input": "x", "more": 1}],
+        "/admin/api/inspect": [{"task": "text", "input": 3}],
+        "/admin/api/hard-examples/abc/label": [{"label": 1}, {"task": "text", "labl": "x"}],
+    }
+    for path, bodies in wrong_fields.items():
+        for content in [*GARBAGE_BODIES, *(json.dumps(b).encode() for b in bodies)]:
+            response = httpx.post(url + path, content=content, headers=headers, timeout=10)
+            assert response.status_code == 400, (path, content, response.text)
+            assert response.json()["error"], (path, content)
+    needing_a_body = ("/admin/api/flush", "/admin/api/evict", "/admin/api/inspect",
+                      "/admin/api/hard-examples/abc/label")  # fmt: skip
+    for path in needing_a_body:
+        assert httpx.post(url + path, content=b" ", headers=headers, timeout=10).status_code == 400  # no body
+    # Nothing changed: the entry still cached, the generation, the audit log, no cleanup started.
+    assert runtime.engine.classify("text", "stay cached").tier == "l1"
+    assert runtime.engine.generation == 0 and runtime.admin.audit_rows() == []
+    assert runtime.admin.cleanup_progress() is None
+    # An empty body is taken where every field is optional, as documented.
+    bumped = httpx.post(url + "/admin/api/bump-version", headers=headers, timeout=10)
+    assert bumped.status_code == 200 and runtime.engine.generation == 1
+    noted = httpx.post(url + "/admin/api/bump-version", json={"note": None}, headers=headers, timeout=10)
+    assert noted.status_code == 200 and runtime.engine.generation == 2

@@ -175,9 +175,10 @@ def test_a_visitor_s_recent_miss_keeps_the_model_contended_for_a_while() -> None
     with admission.admitted("text", flood), pytest.raises(OverBudgetError), admission.admitted("text", flood):
         pass
     clock.now += CONTENDED_WINDOW_S
-    with admission.admitted("text", flood), admission.admitted("text", flood):  # alone for a while
-        with admission.admitted("text", visitor):  # a visitor's miss while the flood's are in flight
-            pass
+    # Alone for a while: two at once; then a visitor's miss while the flood's are in flight.
+    with ExitStack() as held:
+        for client in (flood, flood, visitor):
+            held.enter_context(admission.admitted("text", client))
     clock.now += CONTENDED_WINDOW_S / 2
     with admission.admitted("text", flood), pytest.raises(OverBudgetError), admission.admitted("text", flood):
         pass  # the visitor's miss is remembered however it found the model
