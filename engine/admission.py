@@ -9,21 +9,20 @@ misses are seconds apart: were only the misses waiting at this instant counted, 
 hold the model with full batches between them, and each of the visitor's misses would wait for
 one.) The decision:
 
-1. The miss spends a token of the client's budget when one is there (engine.fairness.MissBudget:
-   CLIENT_MISS_RATE a second up to CLIENT_MISS_BURST, one bucket per client for the fleet, in
-   Redis). Within its budget a client's misses are always admitted and wait their round-robin
-   turn (engine.fairness.FairQueue): a visitor clicking through the examples is never refused.
-2. Past its budget, the miss is still admitted when
-   - the task is not contended (nobody else wants the model here): the model would otherwise
-     be idle, so a lone script is served as fast as the model goes, with as many misses at once
-     as it sends (counted as `idle`); or
-   - it is the client's only miss of the task here: round robin serves each waiting client one
-     miss per turn, so one waiting miss is never more than the client's share (`one_per_turn`).
-3. Otherwise (others want the model and the client already has a miss of its own in the
-   queue) it is refused: OverBudgetError, 429 + Retry-After / Gradio's message. Retry-After is
-   when its next token is there: a miss sent then is admitted whatever the contention. (Its
-   waiting miss is usually through sooner, and a client that sends one miss at a time is never
-   refused at all.)
+1. Where the task is not contended (nobody else wants the model here), the miss is admitted:
+   the model would otherwise be idle, so a lone script is served as fast as the model goes,
+   with as many misses at once as it sends. It spends a token of its budget when one is there
+   (engine.fairness.MissBudget: CLIENT_MISS_RATE a second up to CLIENT_MISS_BURST, one bucket
+   per client for the fleet, in Redis), so a client that had the model to itself meets the
+   others with its burst spent (counted as `budget`, or `idle` past it).
+2. Where it is contended, a client's only miss of the task here is admitted without a token:
+   round robin serves each waiting client one miss per turn, so one waiting miss is never more
+   than its share (`one_per_turn`). A further miss at once spends a token (`budget`): a visitor
+   clicking through the examples is not refused.
+3. Otherwise (contended, a miss of its own already waiting, no token) it is refused:
+   OverBudgetError, 429 + Retry-After / Gradio's message. Retry-After is when its next token is
+   there; a turn's miss spends none, so the token is there for the retry. A client that sends
+   one miss at a time is never refused at all.
 
 Contention is measured per replica because the model is: a replica whose model is idle serves
 whoever asks, whatever another replica is doing. The client's history is the fleet's: its bucket
@@ -116,16 +115,17 @@ class MissAdmission:
             self._leave(task, client)
 
     def _decide(self, client: str, own: int, contended: bool) -> str:
-        if self._budget is None:
+        budget = self._budget
+        if budget is None:
             return "budget"
-        wait = self._budget.spend(client)
+        if not contended:  # spent when there, so that a lone flood has no burst left for later
+            return "budget" if budget.spend(client) <= 0 else "idle"
+        if not own:  # its turn: no token needed, none taken (one is there for its retry)
+            return "one_per_turn"
+        wait = budget.spend(client)
         if wait <= 0:
             return "budget"
-        if not contended:
-            return "idle"
-        if not own:
-            return "one_per_turn"
-        raise self._budget.refusal(client, wait)  # Retry-After: a token is there then, whoever waits
+        raise budget.refusal(client, wait)  # Retry-After: a token is there then
 
     def _others_recent(self, task: str, client: str) -> bool:
         """Whether another client's miss of `task` was admitted within the window; notes this

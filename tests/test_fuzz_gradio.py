@@ -335,3 +335,32 @@ def test_image_files(served: Served, run: Run) -> None:
         run.count(f"{fmt} {result_stream(served, 'classify_image', queued)}")
 
     one()
+
+
+# ---- every event of the page, with wrong values ------------------------------------------
+
+WRONG_VALUES = [None, "not one of the choices", 123456789, -1, 0.5, True, [], {}, ["x", 1], {"a": [1]},
+                {"path": "/etc/hostname", "meta": dict(FILE_META)}, "\x00", "\ud800"]  # fmt: skip
+
+
+def test_every_event_of_the_page_with_wrong_values_is_refused_without_a_traceback(
+    served: Served, run: Run
+) -> None:
+    """Each function in /config, front-end-only ones (`js`, no server function) included, is
+    sent every wrong value on each of its inputs, with and without a trigger_id: a clear refusal
+    or Gradio's error event, never a 5xx or a traceback (the `run` fixture reads the log)."""
+    dependencies = served.http.get("/config").json()["dependencies"]
+    assert any(not d.get("backend_fn", True) for d in dependencies)  # a browser-only event is walked
+    for dependency in dependencies:
+        inputs = len(dependency["inputs"])
+        for n, wrong in enumerate(WRONG_VALUES):
+            body = {"data": [wrong] * max(inputs, 1), "fn_index": dependency["id"],
+                    "session_hash": f"walk-{dependency['id']}-{n}"}  # fmt: skip
+            if n % 2:
+                body["trigger_id"] = dependency["targets"][0][0] if dependency["targets"] else 10**9
+            queued = served.http.post("/gradio_api/queue/join", content=json.dumps(body).encode(),
+                                      headers={"content-type": "application/json"})  # fmt: skip
+            assert queued.status_code < 500, (dependency["id"], wrong, queued.text[:300])
+            run.count(f"event {queued.status_code}")
+            if queued.status_code == 200:
+                queue_result(served, body["session_hash"])

@@ -13,7 +13,10 @@ its queue runs a cached callback's preprocessing (the probe) while the POST is s
   (a pandas frame of every recent event, Arrow strings once pyarrow is installed) raise on it
   after each later call, with a traceback, until 10,000 other events have pushed it out;
 - `/call/v2/<api>` with an unknown API name or an unknown or missing named parameter;
-- `/component_server` with an unknown `component_id`: a KeyError.
+- `/component_server` with an unknown `component_id`: a KeyError;
+- the `fn_index` of an event that runs in the browser only (`js`, no server function): an
+  IndexError;
+- a Radio's, Dropdown's or CheckboxGroup's value outside its choices: gradio.exceptions.Error.
 
 `GradioGuard` is an ASGI middleware inside the mounted Gradio app (inside Gradio's CORS
 layer, so refusals carry the headers Gradio's own answers carry). For those routes it reads
@@ -129,6 +132,9 @@ class GradioGuard:
             fn = self._by_api_name(api_name) if api_name else None
             if fn is None:
                 return  # no fn_index on /queue/join, or no such API: Gradio's own 400 and 404
+        if fn.fn is None:  # a `js`-only event: Gradio's queue fails on it with a traceback
+            shown = fn_index if fn_index is not None else api_name
+            raise Refusal(400, f"Event {shown} runs in the browser only: nothing to call on the server.")
         data = _simple_data(fn, body.data) if kind == "call" else body.data
         _check_inputs(fn, data)
 
@@ -197,6 +203,7 @@ def _check_inputs(fn: Any, data: list[Any]) -> None:
             _check_sample_index(block, value, f"Input {index} of {name}")
         if value is None:
             continue
+        _check_choice(block, value, f"Input {index} of {name}")
         model = getattr(block, "data_model", None)
         if model is None:
             continue
@@ -209,6 +216,24 @@ def _check_inputs(fn: Any, data: list[Any]) -> None:
             kind = block.get_block_name()
             raise Refusal(422, f"Input {index} of {name} is not a valid {kind} value: {detail}.") from None
         _check_path(getattr(read, "path", None))  # a file component checks it against the upload folder
+
+
+def _check_choice(block: Any, value: Any, what: str) -> None:
+    """A Radio's, Dropdown's or CheckboxGroup's value among its choices, as its preprocessing
+    requires (it raises gradio.exceptions.Error, which Gradio logs with a traceback)."""
+    if not isinstance(block, gr.Radio | gr.Dropdown | gr.CheckboxGroup):
+        return
+    if getattr(block, "allow_custom_value", False):
+        return
+    allowed = [choice[1] for choice in block.choices]
+    values = value if isinstance(block, gr.CheckboxGroup) or getattr(block, "multiselect", False) else [value]
+    if not isinstance(values, list) or any(not _hashable(v) or v not in allowed for v in values):
+        shown = ", ".join(repr(c) for c in allowed[:10])
+        raise Refusal(422, f"{what} must be one of {shown}.")
+
+
+def _hashable(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool)
 
 
 def _check_sample_index(dataset: Any, value: Any, what: str) -> None:
