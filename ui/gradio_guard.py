@@ -136,7 +136,7 @@ class GradioGuard:
             shown = fn_index if fn_index is not None else api_name
             raise Refusal(400, f"Event {shown} runs in the browser only: nothing to call on the server.")
         data = _simple_data(fn, body.data) if kind == "call" else body.data
-        _check_inputs(fn, data)
+        _check_inputs(fn, data, self._session_blocks(body.session_hash))
 
     def _check_call_v2(self, api_name: str, request: Any) -> None:
         if not isinstance(request, dict):
@@ -164,6 +164,13 @@ class GradioGuard:
 
     # ---- the app's events --------------------------------------------------------
 
+    def _session_blocks(self, session_hash: str | None) -> dict[int, Any] | None:
+        """The blocks as the session sees them (Gradio keeps a copy of those an event updated),
+        or None for no session or one Gradio does not know (looked up, never created)."""
+        holder = getattr(self._blocks, "state_holder", None)
+        session = getattr(holder, "session_data", {}).get(session_hash) if session_hash else None
+        return session.blocks_config.blocks if session is not None else None
+
     def _by_api_name(self, api_name: str) -> Any:
         return next((fn for fn in self._blocks.fns.values() if fn.api_name == api_name), None)
 
@@ -187,7 +194,7 @@ def _simple_data(fn: Any, data: list[Any]) -> list[Any]:
     return [None if block.skip_api else next(items) for block in fn.inputs]
 
 
-def _check_inputs(fn: Any, data: list[Any]) -> None:
+def _check_inputs(fn: Any, data: list[Any], session_blocks: dict[int, Any] | None = None) -> None:
     """Refuse the inputs Gradio's preprocessing would fail on (Blocks.preprocess_data)."""
     name = fn.api_name or fn.name or "this event"
     if len(data) < len(fn.inputs):
@@ -203,7 +210,9 @@ def _check_inputs(fn: Any, data: list[Any]) -> None:
             _check_sample_index(block, value, f"Input {index} of {name}")
         if value is None:
             continue
-        _check_choice(block, value, f"Input {index} of {name}")
+        # A session's copy of the block where an event updated it (its choices, for one).
+        current = session_blocks.get(block._id, block) if session_blocks else block
+        _check_choice(current, value, f"Input {index} of {name}")
         model = getattr(block, "data_model", None)
         if model is None:
             continue
