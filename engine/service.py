@@ -554,52 +554,40 @@ class InferenceEngine:
             return cached, tier, None  # type: ignore[return-value]
         # A real miss: admitted (the client's budget; engine.admission) until its pass is done.
         with self._passes.admitted(task, client):
-            return self._compute_admitted(key, model, canonical_input, budget, pending_alias, client)
-
-    def _compute_admitted(
-        self,
-        key: str,
-        model: Classifier,
-        canonical_input: Callable[[], Any],
-        budget: _L2Budget,
-        pending_alias: L2Write | None,
-        client: str | None,
-    ) -> tuple[CachedResult, str, float | None]:
-        task = model.task
-        turn = None
-        if self._fleet_flight is not None and budget.available and self._l2 is not None:
-            turn = self._fleet_flight.take_turn(
-                model.task, key, look=lambda: self._lookup(key, (CachedResult,), budget)[0],
-                usable=lambda: budget.available,
-            )  # fmt: skip
-            if turn.found is not None:  # computed by another replica meanwhile
-                return turn.found, "coalesced", None  # type: ignore[return-value]
-        canonical = canonical_input()
-        model_started = time.perf_counter()
-        elapsed, share = None, 1.0  # the pass (without the wait for it) and this input's share of it
-        try:
-            prediction, elapsed, share = self._passes.run(model, canonical, client)
-        except InvalidInputError:
-            raise
-        except Exception as exc:
-            # Not the input's fault: never cached, reported as a model error.
-            log.exception("%s model failed", model.name)
-            raise ModelError(f"The {model.task} model failed: {exc.__class__.__name__}.") from exc
-        finally:
-            if elapsed is None:  # failed: the pass and its wait, which cannot be told apart here
-                elapsed = time.perf_counter() - model_started
-            with self._counter_lock:
-                self._counters.model_calls[task] += 1
-                self._counters.model_seconds[task] += elapsed * share
-        if turn is not None:
-            turn.succeeded()
-        result = CachedResult(prediction, model.version, self._clock())
-        l2_ttl_s = getattr(model, "ttl_s", None) or self._policy.l2_ttl_s  # MODELS_CONFIG's ttl_s
-        blob = self._store(key, result, l2_ttl_s, min(self._policy.l1_ttl_s, float(l2_ttl_s)), None)
-        # The result first: a replica that finds the alias then finds what it points to.
-        result_write = L2Write(key, blob, l2_ttl_s)
-        self._write_l2([result_write] + ([pending_alias] if pending_alias else []), budget)
-        return result, "miss", elapsed * 1000.0
+            turn = None
+            if self._fleet_flight is not None and budget.available and self._l2 is not None:
+                turn = self._fleet_flight.take_turn(
+                    model.task, key, look=lambda: self._lookup(key, (CachedResult,), budget)[0],
+                    usable=lambda: budget.available,
+                )  # fmt: skip
+                if turn.found is not None:  # computed by another replica meanwhile
+                    return turn.found, "coalesced", None  # type: ignore[return-value]
+            canonical = canonical_input()
+            model_started = time.perf_counter()
+            elapsed, share = None, 1.0  # the pass (without the wait for it) and this input's share of it
+            try:
+                prediction, elapsed, share = self._passes.run(model, canonical, client)
+            except InvalidInputError:
+                raise
+            except Exception as exc:
+                # Not the input's fault: never cached, reported as a model error.
+                log.exception("%s model failed", model.name)
+                raise ModelError(f"The {model.task} model failed: {exc.__class__.__name__}.") from exc
+            finally:
+                if elapsed is None:  # failed: the pass and its wait, which cannot be told apart here
+                    elapsed = time.perf_counter() - model_started
+                with self._counter_lock:
+                    self._counters.model_calls[task] += 1
+                    self._counters.model_seconds[task] += elapsed * share
+            if turn is not None:
+                turn.succeeded()
+            result = CachedResult(prediction, model.version, self._clock())
+            l2_ttl_s = getattr(model, "ttl_s", None) or self._policy.l2_ttl_s  # MODELS_CONFIG's ttl_s
+            blob = self._store(key, result, l2_ttl_s, min(self._policy.l1_ttl_s, float(l2_ttl_s)), None)
+            # The result first: a replica that finds the alias then finds what it points to.
+            result_write = L2Write(key, blob, l2_ttl_s)
+            self._write_l2([result_write] + ([pending_alias] if pending_alias else []), budget)
+            return result, "miss", elapsed * 1000.0
 
     def _lookup(
         self, key: str, expected: tuple[type, ...], budget: _L2Budget | None
