@@ -514,10 +514,11 @@ def test_admin_bodies_through_http(fuzzed: Fuzzed) -> None:
     """Any body to every admin action, with the token: a clear 4xx or the action, never a 5xx."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # Found by review: Starlette's request.json() raised RecursionError (not a ValueError), a 500.
-    for path, message in (("/admin/api/flush", "tier must be one of"),
-                          ("/admin/api/inspect", 'the body needs "task"')):  # fmt: skip
+    # Garbage is refused as such (admin.bodies), never taken as an empty body.
+    for path in ("/admin/api/flush", "/admin/api/inspect", "/admin/api/bump-version"):
         response = fuzzed.post(path, content=b"[" * 10_000, headers=auth)
-        assert response.status_code == 400 and message in response.json()["error"], response.text[:300]
+        assert response.status_code == 400, response.text[:300]
+        assert "not valid JSON" in response.json()["error"]
 
     bodies = st.one_of(
         JSON_VALUES.map(lambda value: json.dumps(value).encode()),

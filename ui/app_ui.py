@@ -67,7 +67,7 @@ def user_errors(probe: bool) -> Iterator[None]:
 
 def badge_text(info: dict[str, Any] | None) -> str:
     """One plain sentence saying where the answer came from and how long it took."""
-    if not info or "tier" not in info:
+    if not isinstance(info, dict) or "tier" not in info:  # what a client sent, on the API
         return ""
     ms = float(info.get("latency_ms", 0.0))
     duration = f"{ms:.2f} ms" if ms < 10 else f"{ms:.0f} ms"

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from gradio import utils as gradio_utils
 from gradio.data_classes import ComponentServerJSONBody, FileData, PredictBody, SimplePredictBody
 from gradio_client.utils import construct_args, is_file_obj_with_meta, is_http_url_like
 from pydantic import ValidationError
@@ -136,6 +137,9 @@ class GradioGuard:
             shown = fn_index if fn_index is not None else api_name
             raise Refusal(400, f"Event {shown} runs in the browser only: nothing to call on the server.")
         data = _simple_data(fn, body.data) if kind == "call" else body.data
+        if _LONE_SURROGATE.search(json.dumps(data, ensure_ascii=False, default=str)):
+            # Gradio's event stream cannot encode it (orjson): the stream breaks with a traceback.
+            raise Refusal(400, "Inputs must be text UTF-8 can carry (one has an unpaired surrogate).")
         _check_inputs(fn, data, self._session_blocks(body.session_hash))
 
     def _check_call_v2(self, api_name: str, request: Any) -> None:
@@ -197,13 +201,17 @@ def _simple_data(fn: Any, data: list[Any]) -> list[Any]:
 def _check_inputs(fn: Any, data: list[Any], session_blocks: dict[int, Any] | None = None) -> None:
     """Refuse the inputs Gradio's preprocessing would fail on (Blocks.preprocess_data)."""
     name = fn.api_name or fn.name or "this event"
+    # A cached callback's inputs are preprocessed by Gradio's queue probe while the POST is
+    # open, where a file that was not uploaded is answered 400 (ui.server); any other event's
+    # fail later in the queue, with a traceback: those are checked here.
+    probed = bool(getattr(fn.fn, "cache", False))
     if len(data) < len(fn.inputs):
         raise Refusal(422, f"{name} takes {len(fn.inputs)} input(s); the request sent {len(data)}.")
     for index, block in enumerate(fn.inputs):
         if block.stateful:
             continue  # Gradio reads the session's state, not the request
         value = data[index]
-        _check_file_references(value)
+        _check_file_references(value, uploaded_only=not probed)
         if index in fn.component_prop_inputs:
             continue
         if isinstance(block, gr.Dataset) and block.type != "index":
@@ -254,9 +262,10 @@ def _check_sample_index(dataset: Any, value: Any, what: str) -> None:
         raise Refusal(422, f"{what} must be the index of one of its {count} examples.")
 
 
-def _check_file_references(value: Any) -> None:
+def _check_file_references(value: Any, *, uploaded_only: bool = False) -> None:
     """Every file reference in `value`, at any depth, as Gradio finds them
-    (processing_utils.async_move_files_to_cache): a FileData it can read, not a URL."""
+    (processing_utils.async_move_files_to_cache): a FileData it can read, not a URL, and with
+    `uploaded_only` a file in Gradio's upload folder (processing_utils._check_allowed)."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -270,12 +279,24 @@ def _check_file_references(value: Any) -> None:
                 if is_http_url_like(item["path"]):
                     raise Refusal(400, NOT_AN_UPLOAD)
                 _check_path(item["path"])
+                if uploaded_only:
+                    _check_uploaded(item["path"])
                 try:
                     FileData.model_validate(item)
                 except ValidationError as exc:
                     raise Refusal(422, f"A file reference is not valid: {exc.errors()[0]['msg']}.") from None
             else:
                 stack.extend(item.values())
+
+
+def _check_uploaded(path: str) -> None:
+    """A file Gradio received through its upload route, as its preprocessing requires."""
+    allowed, _reason = gradio_utils.is_allowed_file(
+        Path(gradio_utils.abspath(path)), blocked_paths=[], allowed_paths=[],
+        created_paths=[gradio_utils.get_upload_folder()],
+    )  # fmt: skip
+    if not allowed:
+        raise Refusal(400, "Files must be uploaded first; a request cannot name a file on the server.")
 
 
 def _check_path(path: Any) -> None:
