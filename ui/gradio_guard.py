@@ -137,8 +137,11 @@ class GradioGuard:
             shown = fn_index if fn_index is not None else api_name
             raise Refusal(400, f"Event {shown} runs in the browser only: nothing to call on the server.")
         data = _simple_data(fn, body.data) if kind == "call" else body.data
-        if _LONE_SURROGATE.search(json.dumps(data, ensure_ascii=False, default=str)):
-            # Gradio's event stream cannot encode it (orjson): the stream breaks with a traceback.
+        # A classify callback (probed by Gradio's queue) cleans its text; any other event's
+        # value may come back in its outputs, which Gradio's event stream cannot encode (orjson):
+        # the stream breaks with a traceback.
+        probed = bool(getattr(fn.fn, "cache", False))
+        if not probed and _LONE_SURROGATE.search(json.dumps(data, ensure_ascii=False, default=str)):
             raise Refusal(400, "Inputs must be text UTF-8 can carry (one has an unpaired surrogate).")
         _check_inputs(fn, data, self._session_blocks(body.session_hash))
 
