@@ -56,7 +56,8 @@ def add_hard_example_routes(
         if (refused := authorize(request)) is not None:
             return refused
         try:
-            if not limit.isdigit() or len(limit) > 6:
+            # ASCII digits only: "²".isdigit() is true, and int() refuses it.
+            if not (limit.isascii() and limit.isdigit()) or len(limit) > 6:
                 raise InvalidInputError("bad_limit", "limit must be a whole number")
             body = await asyncio.to_thread(hard.listing, task, state=state, limit=int(limit))
         except InvalidInputError as exc:

@@ -43,7 +43,7 @@ def parse_key(key: bytes | str, prefix: str) -> tuple[str, str, int] | None:
     if not text.startswith(prefix + ":"):
         return None
     parts = text[len(prefix) + 1 :].split(":")
-    if len(parts) != 4 or not parts[2].isdigit():
+    if len(parts) != 4 or not (parts[2].isascii() and parts[2].isdigit()):
         return None
     namespace, version, generation, digest = parts
     if LEGACY_DIGEST_PATTERN.match(digest):
