@@ -18,18 +18,18 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 from gradio_client import Client, handle_file
-from playwright.sync_api import Browser, expect, sync_playwright
+from playwright.sync_api import Browser, expect
 
 from bench.workload.inputs import make_images, make_messages
 from runtime import Runtime
 from settings import CLIENT_MISS_BURST, Settings
 from storage.embedded_redis import EmbeddedRedis
 from tests.conftest import free_port
+from tests.test_browser import browser  # noqa: F401  (its Chromium fixture)
 from ui.server import serve_runtime
 
 MESSAGES = 200
 PHOTOS = 50
-CHROMIUM = Path("/usr/bin/chromium")
 MODEL_TIMEOUT_MS = 30_000
 PNG_SIGNATURE = b"\x89PNG"
 
@@ -100,20 +100,6 @@ def test_gradio_client_alone_on_an_idle_server_every_new_input_is_answered(
     _assert_all_computed(runtime)
 
 
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    if not CHROMIUM.is_file():
-        pytest.fail(f"{CHROMIUM} not found: install the Debian package `chromium` (`make test` does).")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-            headless=True,
-        )
-        yield browser
-        browser.close()
-
-
 def _wait_answered(runtime: Runtime, before: int) -> None:
     """Until the engine has answered (or refused) one more request than `before`."""
     deadline = time.monotonic() + MODEL_TIMEOUT_MS / 1000
@@ -129,7 +115,7 @@ def _answered(runtime: Runtime) -> int:
 
 @pytest.mark.browser
 def test_the_browser_alone_on_an_idle_server_every_new_input_is_answered(
-    idle_server, browser: Browser, tmp_path: Path
+    idle_server, browser: Browser, tmp_path: Path  # noqa: F811
 ) -> None:
     url, runtime = idle_server
     messages, photos = _inputs(seed=303, tmp_path=tmp_path)
