@@ -77,10 +77,23 @@ def exchange(
         except (BlockingIOError, OSError):
             pass
     except OSError:  # reset: the server closed while we were still sending
-        pass
+        reply += _buffered(sock)
     finally:
         sock.close()
     return reply, sent
+
+
+def _buffered(sock: socket.socket) -> bytes:
+    """What the kernel still holds of the reply after a reset met a send (the server answered,
+    then closed with body bytes unread): Linux keeps received bytes readable until they are read."""
+    sock.setblocking(False)
+    held = b""
+    try:
+        while chunk := sock.recv(65536):
+            held += chunk
+    except OSError:
+        pass
+    return held
 
 
 def post_head(served: Served, path: str, *headers: str, content_type: str = JSON) -> bytes:
