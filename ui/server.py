@@ -35,6 +35,7 @@ from ui.call_protocol import RefusalLog
 from ui.gradio_guard import GradioGuard
 from ui.lean_sessions import install_lean_sessions
 from ui.limits import HeaderLimits, limited_http_protocol
+from ui.queue_shares import QueueShares
 from ui.startup import Runtime, ServingApp
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     guard = Middleware(GradioGuard, blocks=demo, max_body_bytes=settings.max_gradio_body_bytes)
     gradio_app.user_middleware.append(guard)
     install_lean_sessions(gradio_app, demo)
+    QueueShares(demo._queue).install()  # one address cannot fill the queue for the others
     # Cached answers of the two-step HTTP API skip Gradio's routing and queue (see ui.cached_calls):
     # a middleware of the Gradio app just inside its CORS middleware, in front of the guard.
     shortcut = CachedCalls(gradio_app, engine, _cached_call_apis(demo, engine, settings.max_upload_bytes))
