@@ -250,6 +250,53 @@ def test_answers_never_read_leave_a_bounded_number_of_sessions(
     assert "event: complete" not in late
 
 
+def _from(served: Served, source: str) -> httpx.Client:
+    return httpx.Client(base_url=served.url, timeout=30, transport=httpx.HTTPTransport(local_address=source))
+
+
+def test_one_address_abandoning_calls_pushes_out_only_its_own(
+    served: Served, client: GradioHttpClient
+) -> None:
+    holder, queue = served.holder, served.queue
+    holder.one_shot_per_client, holder.sessions_per_client = 8, 6
+    assert_answered(client.call("classify_text", [CACHED]), "miss")
+    fn_index = next(i for i, fn in served.blocks.fns.items() if fn.api_name == "classify_text")
+    with _from(served, "127.0.0.5") as other, _from(served, "127.0.0.6") as flooder:
+        kept = other.post("/gradio_api/call/classify_text", json={"data": [CACHED]}).json()["event_id"]
+        for n in range(40):  # session-less calls, and calls each of a session of its own
+            flooder.post("/gradio_api/call/classify_text", json={"data": [CACHED]}).raise_for_status()
+            join = {"data": [CACHED], "fn_index": fn_index, "session_hash": f"flood-session-{n}"}
+            flooder.post("/gradio_api/queue/join", json=join).raise_for_status()
+        deadline = time.monotonic() + 10
+        while len(holder.one_shot) > 9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kept in holder.one_shot  # another client's call is not pushed out
+        assert len(holder.one_shot) <= 9, len(holder.one_shot)  # the flooder's 8 and the other's
+        flood_sessions = [s for s in holder.session_data if s.startswith("flood-session-")]
+        assert flood_sessions == [f"flood-session-{n}" for n in range(34, 40)]  # its 6 latest
+        assert not any(s.startswith("flood-session-") and s not in flood_sessions
+                       for s in queue.pending_messages_per_session)  # fmt: skip
+        stream = other.get(f"/gradio_api/call/classify_text/{kept}")
+        assert "event: complete" in stream.text
+
+
+def test_abandoned_calls_expire_with_no_new_call_to_sweep_them(make_runtime, monkeypatch) -> None:
+    monkeypatch.setattr(lean_sessions, "SWEEP_EVERY_S", 0.2)
+    app = build_app(make_runtime())
+    app.state.cached_calls.enabled = False  # every call through Gradio's queue
+    holder = mounted(app).state_holder
+    with BackgroundServer(app, port=free_port()) as server, GradioHttpClient(server.url) as client:
+        abandoned = [post_only(client, f"{CACHED} {n}") for n in range(5)]
+        deadline = time.monotonic() + 10
+        while any(e not in holder.one_shot for e in abandoned) and time.monotonic() < deadline:
+            time.sleep(0.05)  # each call's session made once it runs
+        assert all(e in holder.one_shot for e in abandoned)
+        holder.one_shot_max_age_s = 0.5
+        time.sleep(1.5)  # no call comes
+        assert not any(e in holder.one_shot for e in abandoned), len(holder.one_shot)
+        assert not any(e in mounted(app).get_blocks()._queue.pending_messages_per_session for e in abandoned)
+
+
 def test_sweep_keeps_a_session_until_its_answer_is_delivered(
     served: Served, client: GradioHttpClient
 ) -> None:
@@ -371,6 +418,8 @@ def test_a_signed_in_tab_survives_thousands_of_abandoned_calls(make_runtime) -> 
     model = GatedTextModel()
     app = build_app(make_runtime(models={"text": model}, admin_token=TOKEN))
     queue = mounted(app).get_blocks()._queue
+    # As if the flood came from many addresses: one address alone keeps ONE_SHOT_PER_CLIENT.
+    mounted(app).state_holder.one_shot_per_client = FLOOD_CALLS
     with BackgroundServer(app, port=free_port()) as server, sync_playwright() as playwright:
         with GradioHttpClient(server.url) as warm:
             assert_answered(warm.call("classify_text", [CACHED]), "miss")

@@ -29,11 +29,13 @@ there first.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from copy import copy
 from typing import TYPE_CHECKING, Any
@@ -41,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 from cachetools import LRUCache
 from gradio.state_holder import SessionState, StateHolder
 from gradio.utils import LRUCache as GradioLRUCache
+
+from ui.queue_shares import client_of
 
 if TYPE_CHECKING:
     from gradio.blocks import Blocks
@@ -50,6 +54,13 @@ if TYPE_CHECKING:
 # pending message queues), for at most this long.
 ONE_SHOT_CAPACITY = 2000
 ONE_SHOT_MAX_AGE_S = 300.0
+# Per client (engine.fairness.client_id of the call's address): one address's abandoned calls
+# push out its own oldest, never another client's. A session (a browser tab, a gradio_client)
+# costs more than a one-shot call, and one address rarely has more tabs open at once.
+ONE_SHOT_PER_CLIENT = 64
+SESSIONS_PER_CLIENT = 256
+# Abandoned one-shot calls expire within this long of ONE_SHOT_MAX_AGE_S even with no new call.
+SWEEP_EVERY_S = 30.0
 # Every this many calls, forget answered events of any session (see _forget_answered_events).
 EVENT_SWEEP_EVERY = 256
 # Answered one-shot calls remembered for a second GET: as many as Gradio keeps sessions' queues.
@@ -116,6 +127,8 @@ class SessionQueues(GradioLRUCache):
             if event is not None:
                 event.alive = False
         self.pop(session, None)
+        # Its calls' ids go too: nothing can deliver them now (Gradio would keep them forever).
+        self._queue.pending_event_ids_session.pop(session, None)
 
 
 class LeanSessionState(SessionState):
@@ -170,11 +183,20 @@ class LeanStateHolder(StateHolder):
         *,
         one_shot_capacity: int = ONE_SHOT_CAPACITY,
         one_shot_max_age_s: float = ONE_SHOT_MAX_AGE_S,
+        one_shot_per_client: int = ONE_SHOT_PER_CLIENT,
+        sessions_per_client: int = SESSIONS_PER_CLIENT,
     ) -> None:
         super().__init__()
         self.one_shot: OrderedDict[str, LeanSessionState] = OrderedDict()
         self.one_shot_capacity = one_shot_capacity
         self.one_shot_max_age_s = one_shot_max_age_s
+        self.one_shot_per_client = one_shot_per_client
+        self.sessions_per_client = sessions_per_client
+        # Who made each session (when a queued call made it), and how many each client has.
+        self._client_of: dict[str, str] = {}
+        self._one_shots_of: Counter[str] = Counter()
+        self._sessions_of: Counter[str] = Counter()
+        self._expected: LRUCache[str, str] = LRUCache(maxsize=4096)  # see expect()
         self.delivered = DeliveredIds()
         self._calls = 0
 
@@ -185,13 +207,64 @@ class LeanStateHolder(StateHolder):
         if session_id not in self.session_data:
             if session_id in self.one_shot or self._is_one_shot(session_id):
                 return self._one_shot_state(session_id)
-            self.session_data[session_id] = LeanSessionState(self.blocks)
+            self._new_session(session_id)
         self.update(session_id)
         self.time_last_used[session_id] = datetime.datetime.now()
         return self.session_data[session_id]
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self.session_data or session_id in self.one_shot
+
+    def update(self, session_id: str) -> None:
+        with self.lock:
+            if session_id in self.session_data:
+                self.session_data.move_to_end(session_id)
+            while len(self.session_data) > self.capacity:  # Gradio's bound, the oldest first
+                self._drop_session(next(iter(self.session_data)))
+
+    def expect(self, session_id: str, client: str) -> None:
+        """A call of `client` naming `session_id` is about to be queued: Gradio makes the
+        session (if new) before the call exists, so this is how it learns whose it is."""
+        if session_id not in self:
+            self._expected[session_id] = client
+
+    def _new_session(self, session_id: str) -> None:
+        client = self._expected.pop(session_id, None) or self._event_client(session_id)
+        with self.lock:
+            if client is not None:
+                if self._sessions_of[client] >= self.sessions_per_client:
+                    oldest = next(s for s in self.session_data if self._client_of.get(s) == client)
+                    self._drop_session(oldest)
+                    evict = getattr(self.blocks._queue.pending_messages_per_session, "evict", None)
+                    if evict is not None:
+                        evict(oldest)
+                self._client_of[session_id] = client
+                self._sessions_of[client] += 1
+            self.session_data[session_id] = LeanSessionState(self.blocks)
+
+    def _drop_session(self, session_id: str) -> None:
+        self.session_data.pop(session_id, None)
+        self.time_last_used.pop(session_id, None)
+        self._forget_client(session_id, self._sessions_of)
+
+    def _forget_client(self, session_id: str, counts: Counter[str]) -> None:
+        client = self._client_of.pop(session_id, None)
+        if client is not None:
+            counts[client] -= 1
+            if counts[client] <= 0:
+                del counts[client]
+
+    def _event_client(self, session_id: str) -> str | None:
+        """The client of the queued call that names `session_id`, if one does."""
+        queue = getattr(self.blocks, "_queue", None)
+        if queue is None:
+            return None
+        event = queue.event_ids_to_events.get(session_id)
+        if event is None:
+            events = queue.event_ids_to_events
+            ids = queue.pending_event_ids_session.get(session_id) or ()
+            event = next((events[i] for i in list(ids) if i in events), None)
+        return None if event is None else client_of(event.request)
 
     def _is_one_shot(self, session_id: str) -> bool:
         # Gradio keys a call that brought no session hash by its own event id.
@@ -204,8 +277,36 @@ class LeanStateHolder(StateHolder):
             state = self.one_shot.get(session_id)
             if state is None:
                 self.sweep()
+                client = self._event_client(session_id)
+                if client is not None:
+                    if self._one_shots_of[client] >= self.one_shot_per_client:
+                        self._drop_oldest_one_shot_of(client)
+                    self._client_of[session_id] = client
+                    self._one_shots_of[client] += 1
                 state = self.one_shot[session_id] = LeanSessionState(self.blocks)
             return state
+
+    def _drop_oldest_one_shot_of(self, client: str) -> None:
+        """A client past its share of one-shot sessions: its oldest call not waiting in the
+        queue goes (answered or not; one still waiting stays Gradio's to run)."""
+        queue = self.blocks._queue
+        for session_id in list(self.one_shot):
+            if self._client_of.get(session_id) != client:
+                continue
+            event = queue.event_ids_to_events.get(session_id)
+            if event is None or not _queued(queue, event):
+                self._drop_one_shot(session_id, delivered=not queue.pending_event_ids_session.get(session_id))
+                return
+
+    def _drop_one_shot(self, session_id: str, *, delivered: bool) -> None:
+        queue = self.blocks._queue
+        del self.one_shot[session_id]
+        self._forget_client(session_id, self._one_shots_of)
+        # Gradio still holds a delivered call's session (until a GET of it is abandoned):
+        # a second GET gets heartbeats, so this one must remember that it was answered.
+        if delivered and session_id in queue.pending_messages_per_session:
+            self.delivered.add(session_id)
+        _forget_call(queue, session_id, delivered=delivered)
 
     def sweep(self) -> None:
         """Forget the oldest one-shot sessions whose answer was delivered, and those over
@@ -222,12 +323,7 @@ class LeanStateHolder(StateHolder):
             )
             if not (delivered or abandoned):
                 return
-            del self.one_shot[session_id]
-            # Gradio still holds a delivered call's session (until a GET of it is abandoned):
-            # a second GET gets heartbeats, so this one must remember that it was answered.
-            if delivered and session_id in queue.pending_messages_per_session:
-                self.delivered.add(session_id)
-            _forget_call(queue, session_id, delivered=delivered)
+            self._drop_one_shot(session_id, delivered=delivered)
 
 
 def _queued(queue: Any, event: Any) -> bool:
@@ -262,6 +358,36 @@ def _forget_answered_events(queue: Any) -> None:
                 queue.event_ids_to_events.pop(event_id, None)
     except RuntimeError:  # changed under us by a call on another thread: the next sweep does it
         return
+
+
+class SweepTimer:
+    """Sweeps a holder's one-shot sessions every `every_s` on the server's event loop (where
+    Gradio's queue runs), so abandoned calls expire while no new call comes to sweep them.
+    Owned by the app: `start` on its startup, `stop` on its shutdown."""
+
+    def __init__(self, holder: LeanStateHolder, every_s: float | None = None) -> None:
+        self._holder = holder
+        self._every_s = SWEEP_EVERY_S if every_s is None else every_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="one-shot-sweep")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._every_s)
+            try:
+                with self._holder.lock:
+                    self._holder.sweep()
+            except RuntimeError:  # a table changed on another thread meanwhile: the next round
+                continue
 
 
 def install_lean_sessions(mounted_app: Any, blocks: Blocks) -> LeanStateHolder:

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.fairness import client_id
 from ui.call_protocol import RefusalLog
+
+if TYPE_CHECKING:
+    from ui.lean_sessions import LeanStateHolder
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +44,12 @@ def waiting_per_client(queue: Any) -> Counter[str]:
     counts: Counter[str] = Counter()
     for event_queue in list(queue.event_queue_per_concurrency_id.values()):
         for event in list(event_queue.queue):
-            counts[_client_of(event.request)] += 1
+            counts[client_of(event.request)] += 1
     return counts
 
 
-def _client_of(request: Any) -> str:
+def client_of(request: Any) -> str:
+    """The client (engine.fairness.client_id) of a Gradio call's request."""
     client = getattr(request, "client", None)
     return client_id(client.host if client is not None else None)
 
@@ -53,8 +57,9 @@ def _client_of(request: Any) -> str:
 class QueueShares:
     """Wraps a Gradio queue's `push` once `install()`ed (see the module docstring)."""
 
-    def __init__(self, queue: Any) -> None:
+    def __init__(self, queue: Any, holder: LeanStateHolder | None = None) -> None:
         self._queue = queue
+        self._holder = holder  # told whose each new session is (its per-client bound)
         self._push = queue.push
         self._refusals = RefusalLog(log)
         self.refused = 0  # calls refused for holding their share (for tests and the curious)
@@ -64,8 +69,8 @@ class QueueShares:
 
     async def push(self, body: Any, request: Any, username: str | None) -> tuple[bool, Any, str]:
         max_size = self._queue.max_size
+        client = client_of(request)
         if max_size is not None:
-            client = _client_of(request)
             waiting = waiting_per_client(self._queue)
             others = sum(1 for other in waiting if other != client)
             if waiting[client] >= share_of_places(max_size, others):
@@ -74,4 +79,6 @@ class QueueShares:
                     client, f"a queued call: {waiting[client]} already waiting, {others} other clients"
                 )
                 return False, FULL_MESSAGE, "queue_full"
+        if self._holder is not None and isinstance(getattr(body, "session_hash", None), str):
+            self._holder.expect(body.session_hash, client)
         return await self._push(body, request, username)

@@ -33,7 +33,7 @@ from ui.app_ui import build_demo, example_photos, read_upload
 from ui.cached_calls import CachedApi, CachedCalls
 from ui.call_protocol import RefusalLog
 from ui.gradio_guard import GradioGuard
-from ui.lean_sessions import install_lean_sessions
+from ui.lean_sessions import SweepTimer, install_lean_sessions
 from ui.limits import HeaderLimits, limited_http_protocol
 from ui.queue_shares import QueueShares
 from ui.startup import Runtime, ServingApp
@@ -101,8 +101,11 @@ def build_app(runtime: Runtime) -> FastAPI:
     # the list: inside Gradio's CORS middleware, so refusals carry the CORS headers its own do.
     guard = Middleware(GradioGuard, blocks=demo, max_body_bytes=settings.max_gradio_body_bytes)
     gradio_app.user_middleware.append(guard)
-    install_lean_sessions(gradio_app, demo)
-    QueueShares(demo._queue).install()  # one address cannot fill the queue for the others
+    holder = install_lean_sessions(gradio_app, demo)
+    sweeps = SweepTimer(holder)  # abandoned calls expire with no new call to sweep them
+    app.router.add_event_handler("startup", sweeps.start)
+    app.router.add_event_handler("shutdown", sweeps.stop)
+    QueueShares(demo._queue, holder).install()  # one address cannot fill the queue for the others
     # Cached answers of the two-step HTTP API skip Gradio's routing and queue (see ui.cached_calls):
     # a middleware of the Gradio app just inside its CORS middleware, in front of the guard.
     shortcut = CachedCalls(gradio_app, engine, _cached_call_apis(demo, engine, settings.max_upload_bytes))
