@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from bench.faults.scenarios_abandoned import WRONG_VALUES
 from settings import Settings
 from tests.served_app import HealthWatch, Served, rss_bytes, served_app
 
@@ -338,10 +339,6 @@ def test_image_files(served: Served, run: Run) -> None:
 
 
 # ---- every event of the page, with wrong values ------------------------------------------
-
-WRONG_VALUES = [None, "not one of the choices", 123456789, -1, 0.5, True, [], {}, ["x", 1], {"a": [1]},
-                {"path": "/etc/hostname", "meta": dict(FILE_META)}, "\x00", "\ud800"]  # fmt: skip
-
 
 def test_every_event_of_the_page_with_wrong_values_is_refused_without_a_traceback(
     served: Served, run: Run

@@ -35,8 +35,8 @@ _TRANSPORT_ERRORS = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadEr
 class FaultClient:
     """Gradio's HTTP API for one replica, each request's result sorted into an Outcome."""
 
-    def __init__(self, base_url: str, *, timeout_s: float) -> None:
-        self._gradio = GradioHttpClient(base_url, timeout_s=timeout_s)
+    def __init__(self, base_url: str, *, timeout_s: float, headers: dict[str, str] | None = None) -> None:
+        self._gradio = GradioHttpClient(base_url, timeout_s=timeout_s, headers=headers)
 
     def close(self) -> None:
         self._gradio.close()

@@ -21,6 +21,7 @@ pieces (generated, never held whole) while reading, so a refusal is seen the mom
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import select
@@ -188,6 +189,7 @@ def under_attack(
     attackers: int | None = None,
     unrefused_bytes: int | None = 4 * MIB,
     control: Attacker | None = None,
+    beside: contextlib.AbstractContextManager[object] | None = None,
 ) -> Replies:
     """Run `attackers` threads of `attacker` for `attack_s` in all, in the frame above: ROUNDS
     rounds of a quiet window then an attack window, each `attack_s / ROUNDS` long, so that the
@@ -197,7 +199,9 @@ def under_attack(
     `control`, if any, runs as the attackers do in the quiet windows: ordinary requests of
     the same work, the baseline for an attack made of ordinary-looking requests (then there is
     no second measurement: the attacker's requests are not repeatable). `unrefused_bytes`
-    None: the attackers' requests are answered, not refused (judged by the scenario)."""
+    None: the attackers' requests are answered, not refused (judged by the scenario).
+    `beside`, if any, is entered with the normal clients, after the warm-up: another client's
+    work, judged by the scenario."""
     ctx, sizes = run.ctx, run.ctx.sizes
     cases, _ = split(ctx.pool, LOAD_SHARE)
     run.send_many(cases, [0, 1], sizes.threads)  # the normal clients' inputs, now cached
@@ -222,7 +226,11 @@ def under_attack(
         return HealthVerdict.of(health.windows(quiet_spans), health.windows(attack_spans[-ROUNDS:]))
 
     load = run.load(cases, [0, 1], pause_s=LOAD_PAUSE_S)
-    with HealthPoller(ctx.apps[0].url, ctx.work / f"{run.result.name}-healthz.txt") as health, load:
+    with (
+        HealthPoller(ctx.apps[0].url, ctx.work / f"{run.result.name}-healthz.txt") as health,
+        load,
+        beside or contextlib.nullcontext(),
+    ):
         time.sleep(0.5)  # the clients' first requests and connections
         rss_before = {app.name: rss_mb(app.pid) if reset_peak_rss(app.pid) else None for app in ctx.apps}
         verdicts.append(measure())

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.faults.harness import Context, Run, ScenarioResult
+from bench.faults.scenarios_abandoned import abandoned_calls, traceback_probes
 from bench.faults.scenarios_fairness import miss_flood
 from bench.faults.scenarios_fleet import app_killed, graceful_stop, single_flight, version_bump
 from bench.faults.scenarios_fleet_ops import (
@@ -80,6 +81,8 @@ SCENARIOS = (
     Scenario("huge_gradio_body", "Hundreds of MB of JSON to Gradio's call and queue", huge_gradio_body),
     Scenario("collision_pair", "xxh3 collision pairs planted through Gradio and REST", collision_pair),
     Scenario("miss_flood", "One client floods both replicas with new inputs", miss_flood),
+    Scenario("abandoned_calls", "Two-step calls of every kind posted and never fetched", abandoned_calls),
+    Scenario("traceback_probes", "Every event of /config sent wrong values", traceback_probes),
     Scenario("lease_holder_killed", "A replica killed holding single-flight leases", lease_holder_killed),
     Scenario("app_killed", "App process killed (SIGKILL) under load, then restarted", app_killed),
     Scenario("graceful_stop", "App stopped (SIGTERM) with a browser connected", graceful_stop),
