@@ -53,6 +53,11 @@ WRONG_VALUES: list[Any] = [
     {"path": "/etc/hostname", "meta": dict(FILE_META)}, "\x00", "\ud800",
 ]  # fmt: skip
 STREAM_TIMEOUT_S = 30.0
+# Between one prober's calls: a few probes a second each, as someone poking at a Space would;
+# many of them run a callback (a console refresh, a classification), so back to back they
+# would measure the callbacks' cost, not the refusals' (the walk of every value is the
+# fuzz test's).
+PROBE_PAUSE_S = 0.1
 
 
 def _post_json(http: httpx.Client, path: str, body: dict[str, Any], source: str) -> httpx.Response:
@@ -190,8 +195,9 @@ def _stream_end(http: httpx.Client, queued: httpx.Response) -> str:
 
 
 def _poster(run: Run, next_post: Callable[[int, int], tuple[str, Post]], *, fetch: bool,
-            ends: Counter[str]) -> Attacker:  # fmt: skip
-    """An attacker posting `next_post(index, n)` in turn to A, fetching each result or not."""
+            ends: Counter[str], pause_s: float = 0.0) -> Attacker:  # fmt: skip
+    """An attacker posting `next_post(index, n)` in turn to A, fetching each result or not,
+    pausing `pause_s` after each."""
     url, timeout_s = run.ctx.apps[0].url, run.ctx.sizes.request_timeout_s
     lock = threading.Lock()
 
@@ -214,6 +220,7 @@ def _poster(run: Run, next_post: Callable[[int, int], tuple[str, Post]], *, fetc
                 replies.add(reply)
                 with lock:
                     ends[end or f"{'refused' if fetch else 'not fetched'} {queued.status_code}"] += 1
+                time.sleep(pause_s)
 
     return attacker
 
@@ -285,9 +292,9 @@ def traceback_probes(run: Run) -> None:
         return "message", lambda http: _post_json(http, "/gradio_api/call/classify_text", body, ONE_ADDRESS)
 
     ends: Counter[str] = Counter()
-    replies = under_attack(run, _poster(run, probe, fetch=True, ends=ends), unrefused_bytes=None,
-                           beside=_Visitor(run),
-                           control=_poster(run, message, fetch=True, ends=Counter()))  # fmt: skip
+    probing = _poster(run, probe, fetch=True, ends=ends, pause_s=PROBE_PAUSE_S)
+    asking = _poster(run, message, fetch=True, ends=Counter(), pause_s=PROBE_PAUSE_S)
+    replies = under_attack(run, probing, unrefused_bytes=None, beside=_Visitor(run), control=asking)
     run.figure("how the probes ended", dict(ends))
     _judge_posts(run, replies, "probe")
     _drain(run, url)
