@@ -75,7 +75,7 @@ class Side:
 
     @property
     def blocks(self) -> Any:
-        return next(r.app for r in self.app.routes if isinstance(r, Mount)).get_blocks()
+        return next(r.app for r in self.app.routes if isinstance(r, Mount) and r.path == "").get_blocks()
 
 
 

@@ -57,7 +57,7 @@ class Served:
 
 
 def mount_of(app: Any) -> Mount:
-    return next(r for r in app.routes if isinstance(r, Mount))
+    return next(r for r in app.routes if isinstance(r, Mount) and r.path == "")
 
 
 def mounted(app: Any) -> Any:

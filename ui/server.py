@@ -32,6 +32,7 @@ from storage.embedded_redis import REDIS_SUBDIR
 from ui.app_ui import build_demo, example_photos, read_upload
 from ui.cached_calls import CachedApi, CachedCalls
 from ui.call_protocol import RefusalLog
+from ui.docs_pages import add_docs_pages
 from ui.gradio_guard import GradioGuard
 from ui.lean_sessions import SweepTimer, install_lean_sessions
 from ui.limits import HeaderLimits, limited_http_protocol
@@ -48,7 +49,8 @@ GRACEFUL_SHUTDOWN_S = 5
 def build_app(runtime: Runtime) -> FastAPI:
     settings = runtime.settings
     engine = runtime.engine
-    app = FastAPI(title="Inference cache", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    app = FastAPI(title="Inference cache", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    add_docs_pages(app)  # /docs and /redoc, their scripts served by the app (no CDN)
     app.include_router(
         build_router(engine=engine, admin=runtime.admin, auth=runtime.auth, metrics=runtime.metrics)
     )
@@ -89,7 +91,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     demo.has_launched = True
     # With the check on, a refused path raises out of Gradio's queue probe (which runs
     # preprocessing before queueing) as HTTP 500; it is the client's mistake, so answer 400.
-    gradio_app = next(r.app for r in app.routes if isinstance(r, Mount))
+    gradio_app = next(r.app for r in app.routes if isinstance(r, Mount) and r.path == "")
     gradio_app.add_exception_handler(InvalidPathError, _refuse_path)
     # The same refusal from UploadedImage.preprocess (a reference without Gradio's FileData
     # marker), which Gradio wraps in ComponentProcessingError.

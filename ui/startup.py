@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 # Paths served by the FastAPI routes (admin, health, metrics, REST); the rest is Gradio's.
-API_PREFIXES = ("/v2", "/admin/api", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+API_PREFIXES = ("/v2", "/admin/api", "/healthz", "/readyz", "/metrics", "/docs", "/redoc", "/openapi.json")
 ALIVE_PATHS = ("/healthz", "/v2/health/live")
 RETRY_AFTER_S = "2"
 
