@@ -31,7 +31,7 @@ from admin.service import AdminService
 from engine.errors import ModelLoadError
 from engine.forwarding import Forwarding
 from engine.service import InferenceEngine
-from settings import Settings
+from settings import Settings, redact_url
 from ui.asgi import Receive, Scope, Send, respond
 from ui.limits import BodyLimits
 
@@ -50,6 +50,28 @@ LOADING_PAGE = """<!doctype html>
 </head><body><h1>Inference result cache</h1>
 <p id="loading-notice">{notice}</p><p>This page reloads by itself.</p></body></html>
 """
+
+
+def local_url(settings: Settings) -> str:
+    """The address a person on this machine opens (a wildcard bind is reached as localhost)."""
+    host = settings.host
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "localhost"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address in a URL
+    return f"http://{host}:{settings.port}/"
+
+
+def start_lines(settings: Settings) -> list[str]:
+    """The last lines of a start: where the files are, then the URL to open."""
+    database = redact_url(settings.database_url) if settings.database_url else settings.sqlite_path.resolve()
+    token = ("ADMIN_TOKEN" if settings.admin_token is not None
+             else "the token printed above (set ADMIN_TOKEN to choose one)")  # fmt: skip
+    return [
+        f"data directory: {settings.data_dir.resolve()}; ONNX exports: {settings.export_dir.resolve()}; "
+        f"request log: {database}",
+        f"ready: open {local_url(settings)} (API: {local_url(settings)}docs; the Admin tab takes {token})",
+    ]
 
 
 class Runtime(Protocol):
@@ -159,7 +181,8 @@ class ServingApp:
             self._direct = tuple(getattr(app.state, "direct_routes", ()))
             self._forwarding = getattr(runtime, "forwarding", None)  # a stand-in runtime may have none
             self._app = app
-            log.info("ready: serving on port %s", self._settings.port)
+            for line in start_lines(self._settings):
+                log.info("%s", line)
         except ModelLoadError as exc:  # a model that cannot load: the message names it (engine.models)
             log.error("start-up failed: %s", exc)
             self.failure = exc
