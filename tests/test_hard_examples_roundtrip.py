@@ -1,7 +1,7 @@
 """The hard-example loop end to end with tiny user models (bench.tiny_models, random weights, so
 every answer is unsure): requests over REST, the unsure ones kept, labelled by the operator
-through the API, exported, fine-tuned with the README's own example, copied into the task's
-folder, reloaded live, and the labelled messages (and, with the README's image example, the
+through the API, exported, fine-tuned with docs/MODELS.md's own example, copied into the task's
+folder, reloaded live, and the labelled messages (and, with its image example, the
 labelled pictures) now get the operator's labels."""
 
 from __future__ import annotations
@@ -26,25 +26,25 @@ from storage.embedded_redis import EmbeddedRedis, free_port
 pytestmark = pytest.mark.redis
 TOKEN = "roundtrip-operator-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-README = Path(__file__).resolve().parent.parent / "README.md"
+MODELS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "MODELS.md"
 MESSAGES = ("where is my money", "the box came broken", "hello there friend", "refund me now please",
             "my parcel is late again", "good morning to the team")  # fmt: skip
 
 
 def readme_finetune_example(marker: str = "hard-examples-finetune") -> str:
-    """A fine-tune code block of the README, as users copy it."""
-    text = README.read_text(encoding="utf-8")
+    """A fine-tune code block of docs/MODELS.md, as users copy it."""
+    text = MODELS_PAGE.read_text(encoding="utf-8")
     match = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```", text, re.S)
-    assert match, f"the README's fine-tune example ({marker}) is missing"
+    assert match, f"docs/MODELS.md's fine-tune example ({marker}) is missing"
     return match.group(1)
 
 
 def run_readme_example(marker: str, export: Path, model_dir: Path, readme_paths: str) -> None:
-    """The README's example with its two paths replaced by these, run from the current folder."""
+    """The page's example with its two paths replaced by these, run from the current folder."""
     code = readme_finetune_example(marker).replace(readme_paths, f"export, model_dir = {str(export)!r}, "
                                                                  f"{str(model_dir)!r}")  # fmt: skip
     assert str(export) in code
-    exec(compile(code, f"README.md ({marker})", "exec"), {"__name__": "readme_example"})
+    exec(compile(code, f"docs/MODELS.md ({marker})", "exec"), {"__name__": "readme_example"})
 
 
 def reload(url: str, task: str) -> str:
@@ -179,7 +179,7 @@ def test_images_kept_as_png_exported_and_fine_tuned(
     assert table.num_rows == 3 and table.features["label"].names == list(IMAGE_LABELS)
     assert sorted(r["image"].size for r in table) == [(48, 40)] * 3
 
-    # The README's image example on the labelled ones; reloaded, the model answers the labels.
+    # The page's image example on the labelled ones; reloaded, the model answers the labels.
     labelled = httpx.get(f"{url}/admin/api/hard-examples/export", params={"task": "photo"}, headers=AUTH)
     export = tmp_path / "hard-examples-photo.parquet"
     export.write_bytes(labelled.content)
