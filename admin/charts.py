@@ -17,9 +17,12 @@ TIER_NAMES = {"l1": "L1 memory", "l2": "L2 Redis", "coalesced": "coalesced", "mi
               REFUSED: "refused miss (client over budget)"}  # fmt: skip
 
 
-def _layout(fig: go.Figure, title: str, **extra: Any) -> go.Figure:
+def _layout(fig: go.Figure, title: str, detail: str | None = None, **extra: Any) -> go.Figure:
+    """Short titles: plotly never wraps one, and a phone's chart (about 350 px wide) cuts a
+    long one off. What the chart counts (`detail`) goes on a second, smaller line."""
+    text = f"{title}<br><sup>{detail}</sup>" if detail else title
     layout: dict[str, Any] = {
-        "title": title, "height": 320, "margin": {"l": 50, "r": 20, "t": 50, "b": 40},
+        "title": text, "height": 320, "margin": {"l": 50, "r": 20, "t": 64 if detail else 50, "b": 40},
         "legend": {"orientation": "h", "y": -0.2}, "template": "plotly_white",
     }  # fmt: skip
     fig.update_layout(**(layout | extra))
@@ -80,7 +83,8 @@ def latency_figure(latency: list[dict[str, Any]]) -> go.Figure:
     fig = go.Figure(traces)
     return _layout(
         fig,
-        "Latency by tier (requests per bucket, log axis)",
+        "Latency by tier",
+        "requests per bucket, log axis",
         xaxis={"type": "log", "title": "latency ≤ ms", "range": [math.log10(0.03), math.log10(30000)]},
     )
 
@@ -97,7 +101,7 @@ def hot_keys_figure(hot_keys: list[dict[str, Any]]) -> go.Figure:
             marker_color=TIER_COLOURS["l2"],
         )
     )
-    return _layout(fig, "Hot keys (requests, last label, share)", height=max(320, 24 * len(keys) + 80))
+    return _layout(fig, "Hot keys", "requests, last label, share", height=max(320, 24 * len(keys) + 80))
 
 
 def all_figures(data: dict[str, Any]) -> dict[str, go.Figure]:

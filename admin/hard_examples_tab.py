@@ -23,6 +23,10 @@ from engine.hard_examples import NONE_OF_THESE
 
 TABLE_HEADERS = ["id", "input", "model's answer", "asked", "why", "status", "label"]
 PREVIEW_CHARS = 80
+OFF_TEXT = ("**Hard examples are off** (`HARD_EXAMPLES_SIZE=0`, the default, or no Redis): no inputs are "
+            "kept, so there is nothing to label or export. To turn them on, set `HARD_EXAMPLES_SIZE` (how "
+            "many unsure answers to keep per task, e.g. 500) with Redis on (`REDIS_URL`) and restart the "
+            "app.")
 
 
 def _require(session: str | None) -> str:
@@ -56,8 +60,7 @@ def _choice(e: dict[str, Any]) -> tuple[str, str]:
 def summary_text(hard: HardExampleAdmin, listing: dict[str, Any] | None) -> str:
     info = hard.summary()
     if not info["enabled"]:
-        return ("Hard examples are off (`HARD_EXAMPLES_SIZE=0`, or no Redis): no inputs are kept. Set it "
-                "to collect the answers the model was unsure of, label them here and export a data set.")
+        return OFF_TEXT
     if listing is None:
         return ""
     counts = ", ".join(f"{n} {state}" for state, n in listing["states"].items() if n) or "none yet"
@@ -166,19 +169,21 @@ def build_hard_examples_panel(admin: AdminService, session: gr.State) -> None:
     """Call inside the signed-in console column of the Admin tab."""
     cb = make_hard_example_callbacks(admin)
     private = {"api_visibility": "private"}
-    with gr.Accordion("Hard examples: label what the model was unsure of", open=False,
-                      elem_id="admin-hard-examples"):  # fmt: skip
+    enabled = admin.hard_examples.enabled  # off: the panel says so, how to turn it on, buttons disabled
+    title = "Hard examples: label what the model was unsure of" + ("" if enabled else " (off)")
+    with gr.Accordion(title, open=False, elem_id="admin-hard-examples"):
         for task in admin.tasks():
             with gr.Tab(task, elem_id=f"admin-hard-{task}"):
-                _task_tab(cb, task, admin.hard_examples.takes_image(task), session, private)
+                _task_tab(cb, task, admin.hard_examples.takes_image(task), session, private, enabled)
 
 
 def _task_tab(
-    cb: dict[str, Callable[..., Any]], task: str, image: bool, session: gr.State, private: dict[str, Any]
-) -> None:
+    cb: dict[str, Callable[..., Any]], task: str, image: bool, session: gr.State, private: dict[str, Any],
+    enabled: bool = True,
+) -> None:  # fmt: skip
     task_state = gr.State(task)
-    summary = gr.Markdown(elem_id=f"admin-hard-{task}-summary")
-    refresh_btn = gr.Button("Refresh", size="sm", elem_id=f"admin-hard-{task}-refresh")
+    summary = gr.Markdown(None if enabled else OFF_TEXT, elem_id=f"admin-hard-{task}-summary")
+    refresh_btn = gr.Button("Refresh", size="sm", interactive=enabled, elem_id=f"admin-hard-{task}-refresh")
     table = gr.Dataframe(headers=TABLE_HEADERS, interactive=False, label="Kept examples",
                          elem_id=f"admin-hard-{task}-table")  # fmt: skip
     gallery = gr.Gallery(label="Images", columns=8, height=140, visible=image,
@@ -194,15 +199,17 @@ def _task_tab(
     details = gr.Markdown(elem_id=f"admin-hard-{task}-details")
     with gr.Row():
         label = gr.Dropdown(label="The right class", choices=[], elem_id=f"admin-hard-{task}-label")
-        save_btn = gr.Button("Save label", variant="primary", elem_id=f"admin-hard-{task}-save")
-        skip_btn = gr.Button("Skip", elem_id=f"admin-hard-{task}-skip")
-        delete_btn = gr.Button("Delete", variant="stop", elem_id=f"admin-hard-{task}-delete")
+        save_btn = gr.Button("Save label", variant="primary", interactive=enabled,
+                             elem_id=f"admin-hard-{task}-save")  # fmt: skip
+        skip_btn = gr.Button("Skip", interactive=enabled, elem_id=f"admin-hard-{task}-skip")
+        delete_btn = gr.Button("Delete", variant="stop", interactive=enabled,
+                               elem_id=f"admin-hard-{task}-delete")  # fmt: skip
     result = gr.Markdown(elem_id=f"admin-hard-{task}-result")
     with gr.Row():
         fmt = gr.Radio(["parquet", "imagefolder"], value="parquet", label="Export format",
                        elem_id=f"admin-hard-{task}-format")  # fmt: skip
         include_all = gr.Checkbox(label="Include unlabelled examples", elem_id=f"admin-hard-{task}-all")
-        export_btn = gr.Button("Export", elem_id=f"admin-hard-{task}-export")
+        export_btn = gr.Button("Export", interactive=enabled, elem_id=f"admin-hard-{task}-export")
         exported = gr.File(label="Data set", elem_id=f"admin-hard-{task}-file")
 
     listing = [summary, table, gallery, example]

@@ -75,7 +75,8 @@ def sizing_figure(report: dict[str, Any], tier: str) -> go.Figure:
                                xanchor="left", font={"color": colour})  # fmt: skip
     return _layout(
         fig,
-        f"{TIER_TITLES[tier]}: hit ratio by size",
+        f"{tier.upper()} hit ratio by size",
+        TIER_TITLES[tier],
         yaxis={"range": [0, 100], "ticksuffix": "%"},
         xaxis={"type": "log", "title": "cache size (bytes)"},
     )
@@ -107,7 +108,8 @@ def gpu_figure(gpu: dict[str, Any]) -> go.Figure:
             mode="lines",
             line={"dash": "dot"},
         )
-    return _layout(fig, "GPU utilisation and memory (%)", yaxis={"range": [0, 100], "ticksuffix": "%"})
+    return _layout(fig, "GPU use", "utilisation and memory, % of the device",
+                   yaxis={"range": [0, 100], "ticksuffix": "%"})  # fmt: skip
 
 
 def _cards(rows: list[tuple[str, str, bool]]) -> str:

@@ -58,9 +58,14 @@ def mismatch_rows(report: dict[str, Any]) -> list[list[str]]:
     ]  # fmt: skip
 
 
+SHADOW_OFF_TEXT = ("**Shadow verification is off** (`SHADOW_SAMPLE_RATE=0`): no cached answer is checked "
+                   "against the model. To turn it on, set `SHADOW_SAMPLE_RATE` (the share of hits "
+                   "recomputed while the model is idle, e.g. 0.01) and restart the app.")
+
+
 def shadow_summary(report: dict[str, Any]) -> str:
     if not report["enabled"]:
-        return "Shadow verification is off (`SHADOW_SAMPLE_RATE=0`)."
+        return SHADOW_OFF_TEXT
     checks, mismatches = sum(report["checks"].values()), sum(report["mismatches"].values())
     rate = f"{100 * mismatches / checks:.2f}%" if checks else "–"
     by_task = ", ".join(

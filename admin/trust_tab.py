@@ -9,7 +9,7 @@ from typing import Any
 import gradio as gr
 
 from admin.service import AdminService
-from admin.trust import MISMATCH_HEADERS, mismatch_rows, shadow_summary
+from admin.trust import MISMATCH_HEADERS, SHADOW_OFF_TEXT, mismatch_rows, shadow_summary
 from engine.errors import InvalidInputError
 
 NOT_SIGNED_IN = "Sign in with the admin token first."
@@ -73,11 +73,13 @@ def build_trust_panel(admin: AdminService, session: gr.State) -> None:
                                    elem_id="admin-entry-confirm")  # fmt: skip
             evict_btn = gr.Button("Evict this entry", variant="stop", elem_id="admin-entry-evict")
         entry = gr.JSON(label="Entry", elem_id="admin-entry-result")
-    with gr.Accordion("Shadow verification", open=False, elem_id="admin-shadow"):
-        summary = gr.Markdown(elem_id="admin-shadow-summary")
+    shadow_on = admin.shadow_report()["enabled"]  # off: says so and how to turn it on
+    shadow_title = "Shadow verification" + ("" if shadow_on else " (off)")
+    with gr.Accordion(shadow_title, open=False, elem_id="admin-shadow"):
+        summary = gr.Markdown(None if shadow_on else SHADOW_OFF_TEXT, elem_id="admin-shadow-summary")
         mismatches = gr.Dataframe(headers=MISMATCH_HEADERS, label="Last mismatches", interactive=False,
                                   elem_id="admin-shadow-mismatches")  # fmt: skip
-        shadow_btn = gr.Button("Refresh", size="sm", elem_id="admin-shadow-refresh")
+        shadow_btn = gr.Button("Refresh", size="sm", interactive=shadow_on, elem_id="admin-shadow-refresh")
     inspect_btn.click(cb["inspect"], inputs=[session, task, text, upload], outputs=entry,
                       api_name="admin_inspect", **private)  # fmt: skip
     evict_btn.click(cb["evict"], inputs=[session, task, text, upload, evict_ok], outputs=entry,

@@ -10,11 +10,15 @@ import gradio as gr
 
 from admin.service import AdminService
 
+OFF_TEXT = ("**Warm-up is off** (`WARM_SET_SIZE=0`, the default, or no Redis): no user inputs are kept, "
+            "and a new version or generation is filled by the requests themselves. To turn it on, set "
+            "`WARM_SET_SIZE` (how many hot keys' inputs to keep per model, e.g. 200) with Redis on "
+            "(`REDIS_URL`) and restart the app.")
+
 
 def warmup_text(progress: dict[str, Any]) -> str:
     if not progress.get("enabled"):
-        return ("Warm-up is off (`WARM_SET_SIZE=0`, or no Redis): no user inputs are kept, and a new "
-                "version or generation is filled by the requests themselves.")  # fmt: skip
+        return OFF_TEXT
     bounds = f"keeps the inputs of the {progress['size']} hottest keys per model for {progress['ttl_s']:,} s"
     if not progress.get("runs") and not progress.get("running"):
         return f"Warm-up {bounds}; none has run on this replica yet."
@@ -36,7 +40,9 @@ def make_warmup_callback(admin: AdminService) -> Callable[[str | None], str]:
 
 def build_warmup_panel(admin: AdminService, session: gr.State) -> None:
     """Call inside the console's column (next to the Models panel)."""
-    with gr.Accordion("Warm-up after a swap or a bump", open=False, elem_id="admin-warmup"):
-        progress = gr.Markdown(elem_id="admin-warmup-progress")
-        button = gr.Button("Refresh progress", size="sm", elem_id="admin-warmup-refresh")
+    enabled = bool(admin.warmup_progress().get("enabled"))  # off: says so and how to turn it on
+    title = "Warm-up after a swap or a bump" + ("" if enabled else " (off)")
+    with gr.Accordion(title, open=False, elem_id="admin-warmup"):
+        progress = gr.Markdown(None if enabled else OFF_TEXT, elem_id="admin-warmup-progress")
+        button = gr.Button("Refresh progress", size="sm", interactive=enabled, elem_id="admin-warmup-refresh")
     button.click(make_warmup_callback(admin), inputs=session, outputs=progress, api_visibility="private")

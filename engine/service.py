@@ -315,6 +315,11 @@ class InferenceEngine:
             raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
         return entry_key(task, model, raw, prefix=self._policy.prefix, generation=self._generation.current)
 
+    def check_input(self, task: str, raw: Any) -> None:
+        """Raise InvalidInputError where `raw` is not an input the task's model can take (an
+        upload that is not an image it can read, an empty message); caches nothing."""
+        self.entry_key(task, raw)
+
     def inspect(self, task: str, raw: Any) -> EntryReport:
         """What each tier holds for `raw` now; changes nothing (see engine.entries)."""
         key = self.entry_key(task, raw)

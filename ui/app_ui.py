@@ -4,6 +4,8 @@ Callbacks translate widgets <-> engine only."""
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -65,6 +67,55 @@ def user_errors(probe: bool) -> Iterator[None]:
         raise gr.Error("Something went wrong on our side. Please try again.", print_exception=False) from None
 
 
+class AnswerErrors:
+    """The last error each session's classify call raised, so that the page can show it where
+    the answer was (the event's failure listener reads it back by the session's hash): at most
+    `capacity` sessions, the oldest dropped. Gradio's toast says it too, and fades."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._errors: OrderedDict[str, str] = OrderedDict()
+
+    def put(self, session: str | None, message: str) -> None:
+        if not session:
+            return
+        with self._lock:
+            self._errors[session] = message
+            self._errors.move_to_end(session)
+            while len(self._errors) > self._capacity:
+                self._errors.popitem(last=False)
+
+    def pop(self, session: str | None) -> str | None:
+        with self._lock:
+            return self._errors.pop(session, None) if session else None
+
+
+@contextmanager
+def noted(errors: AnswerErrors | None, request: gr.Request | None) -> Iterator[None]:
+    """Keep the message of a gr.Error raised inside for the session's answer area."""
+    try:
+        yield
+    except gr.Error as exc:
+        if errors is not None:
+            errors.put(getattr(request, "session_hash", None), str(exc.message))
+        raise
+
+
+NOT_CLASSIFIED = "**Not classified.** "
+
+
+def failure_view(errors: AnswerErrors, request: gr.Request) -> tuple[str, None, None]:
+    """The answer area after a failed classify call: the reason in the badge's place, the
+    previous answer (label, cache_info) cleared."""
+    message = errors.pop(getattr(request, "session_hash", None))
+    return NOT_CLASSIFIED + (message or "The request failed; please try again."), None, None
+
+
+def unreadable_text(message: str) -> str:
+    return f"**This file is not an image this app can read** ({message})"
+
+
 def badge_text(info: dict[str, Any] | None) -> str:
     """One plain sentence saying where the answer came from and how long it took."""
     if not isinstance(info, dict) or "tier" not in info:  # what a client sent, on the API
@@ -100,14 +151,17 @@ def read_upload(path: Path, max_upload_bytes: int) -> bytes:
         ) from None
 
 
-def make_callbacks(engine: InferenceEngine, *, max_upload_bytes: int) -> dict[str, Callable[..., Any]]:
-    """One callback per served task, named by its API name `classify_<task>`."""
+def make_callbacks(
+    engine: InferenceEngine, *, max_upload_bytes: int, errors: AnswerErrors | None = None
+) -> dict[str, Callable[..., Any]]:
+    """One callback per served task, named by its API name `classify_<task>`; the message of
+    each error it raises is kept in `errors` for the session's answer area."""
     callbacks: dict[str, Callable[..., Any]] = {}
     for task, model in engine.models.items():
         if takes_image(model):
-            callback = _upload_callback(engine, task, max_upload_bytes)
+            callback = _upload_callback(engine, task, max_upload_bytes, errors)
         else:
-            callback = _message_callback(engine, task)
+            callback = _message_callback(engine, task, errors)
         callback.__name__ = f"classify_{task}"
         # Gradio's queue probes callbacks that carry a `cache` attribute before queueing
         # them: a cached answer returns at once instead of waiting behind misses.
@@ -124,11 +178,13 @@ def request_client(request: gr.Request | None) -> str:
     return client_id(getattr(client, "host", None))
 
 
-def _upload_callback(engine: InferenceEngine, task: str, max_upload_bytes: int) -> Callable[..., Any]:
+def _upload_callback(
+    engine: InferenceEngine, task: str, max_upload_bytes: int, errors: AnswerErrors | None = None
+) -> Callable[..., Any]:
     def classify_image(image: str | None, request: gr.Request) -> tuple[dict[str, Any], dict[str, Any]]:
         """Classify one image. Returns the label and cache_info."""
         probe = in_queue_probe()
-        with user_errors(probe):
+        with noted(errors, request), user_errors(probe):
             if not image:
                 raise InvalidInputError("no_image", "Please upload an image first.")
             data = read_upload(Path(image), max_upload_bytes)
@@ -137,16 +193,37 @@ def _upload_callback(engine: InferenceEngine, task: str, max_upload_bytes: int) 
     return classify_image
 
 
-def _message_callback(engine: InferenceEngine, task: str) -> Callable[..., Any]:
+def _message_callback(
+    engine: InferenceEngine, task: str, errors: AnswerErrors | None = None
+) -> Callable[..., Any]:
     def classify_text(message: str | None, request: gr.Request) -> tuple[dict[str, Any], dict[str, Any]]:
         """Classify one message. Returns the label and cache_info."""
         probe = in_queue_probe()
         client = request_client(request)
-        with user_errors(probe):
+        with noted(errors, request), user_errors(probe):
             return _respond(engine.classify(task, message if message is not None else "", probe=probe,
                                             client=client))  # fmt: skip
 
     return classify_text
+
+
+def upload_check(
+    engine: InferenceEngine, task: str, max_upload_bytes: int
+) -> Callable[[str | None], tuple[str, None, None]]:
+    """The answer area when a file is chosen: the previous answer cleared, and a file the
+    model cannot take named as such at once (before Classify is pressed)."""
+
+    def check_upload(image: str | None) -> tuple[str, None, None]:
+        if not image:
+            return "", None, None
+        with user_errors(False):
+            try:
+                engine.check_input(task, read_upload(Path(image), max_upload_bytes))
+            except InvalidInputError as exc:
+                return unreadable_text(exc.message), None, None
+        return "", None, None
+
+    return check_upload
 
 
 EXAMPLE_PHOTOS = ("chelsea.png", "coffee.png", "rocket.jpg")
@@ -228,13 +305,18 @@ def _model_note(model: Any) -> str:
     return note + (f"<br>Intents: {', '.join(intents)}" if intents else "") + "</small>"
 
 
-def _image_tab(engine: InferenceEngine, task: str, model: Any, callback: Callable[..., Any]) -> None:
+def _image_tab(
+    engine: InferenceEngine, task: str, model: Any, callback: Callable[..., Any], ui: dict[str, Any]
+) -> None:
+    photos = example_photos() if model.name == "efficientnet-lite0" else []  # ImageNet photos: the built-in's
     with gr.Row():
         with gr.Column():
             image_in = UploadedImage(
                 label="Photo", type="filepath", sources=["upload", "webcam", "clipboard"],
                 elem_id=f"{task}-input",
             )  # fmt: skip
+            if photos:  # the API page's example: a file that exists where the app runs
+                image_in.example_path = str(photos[0])
             button = gr.Button("Classify image", variant="primary", elem_id=f"{task}-submit")
         with gr.Column():
             badge = gr.Markdown(elem_id=f"{task}-badge")
@@ -243,17 +325,28 @@ def _image_tab(engine: InferenceEngine, task: str, model: Any, callback: Callabl
             )
             info = gr.JSON(label="cache_info", elem_id=f"{task}-info")
             gr.Markdown(_model_note(model))
-    photos = example_photos() if model.name == "efficientnet-lite0" else []  # ImageNet photos: the built-in's
     if photos:
         gr.Examples(examples=[str(p) for p in photos], inputs=image_in)
     event = button.click(
         callback, inputs=image_in, outputs=[label, info], api_name=f"classify_{task}",
         **_miss_lane(engine, task),
     )  # fmt: skip
-    event.then(badge_text, inputs=info, outputs=badge, api_visibility="private", queue=False)
+    _answer_area(event, ui["errors"], badge, label, info)
+    check = upload_check(engine, task, ui["max_upload_bytes"])
+    image_in.change(check, inputs=image_in, outputs=[badge, label, info], api_visibility="private",
+                    queue=False)  # fmt: skip
 
 
-def _text_tab(engine: InferenceEngine, task: str, model: Any, callback: Callable[..., Any]) -> None:
+def _answer_area(event: Any, errors: AnswerErrors, badge: Any, label: Any, info: Any) -> None:
+    """After a classify call: where the answer came from, or why there is none."""
+    event.success(badge_text, inputs=info, outputs=badge, api_visibility="private", queue=False)
+    event.failure(partial(failure_view, errors), outputs=[badge, label, info], api_visibility="private",
+                  queue=False)  # fmt: skip
+
+
+def _text_tab(
+    engine: InferenceEngine, task: str, model: Any, callback: Callable[..., Any], ui: dict[str, Any]
+) -> None:
     builtin = bool(getattr(model, "intent_names", ()))  # the support-intents model has its examples
     with gr.Row():
         with gr.Column():
@@ -272,7 +365,7 @@ def _text_tab(engine: InferenceEngine, task: str, model: Any, callback: Callable
         [button.click, text_in.submit], callback, inputs=text_in, outputs=[label, info],
         api_name=f"classify_{task}", **_miss_lane(engine, task),
     )  # fmt: skip
-    event.then(badge_text, inputs=info, outputs=badge, api_visibility="private", queue=False)
+    _answer_area(event, ui["errors"], badge, label, info)
 
 
 def build_demo(
@@ -282,7 +375,9 @@ def build_demo(
     admin_tab: Callable[[], None] | None = None,
 ) -> gr.Blocks:
     """A tab per served task (MODELS_CONFIG order), then How it works and the Admin tab."""
-    callbacks = make_callbacks(engine, max_upload_bytes=max_upload_bytes)
+    errors = AnswerErrors()
+    callbacks = make_callbacks(engine, max_upload_bytes=max_upload_bytes, errors=errors)
+    ui = {"errors": errors, "max_upload_bytes": max_upload_bytes}
     state = engine.cache_state()
     notice = state["l2"].get("notice")
 
@@ -298,7 +393,7 @@ def build_demo(
             for task, model in engine.models.items():
                 with gr.Tab(_tab_title(task), id=task):
                     make_tab = _image_tab if takes_image(model) else _text_tab
-                    make_tab(engine, task, model, callbacks[f"classify_{task}"])
+                    make_tab(engine, task, model, callbacks[f"classify_{task}"], ui)
             with gr.Tab("How it works", id="how"):
                 gr.Markdown(HOW_IT_WORKS)
                 live = gr.Markdown(elem_id="live-stats")
