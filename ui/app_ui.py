@@ -105,11 +105,15 @@ def noted(errors: AnswerErrors | None, request: gr.Request | None) -> Iterator[N
 NOT_CLASSIFIED = "**Not classified.** "
 
 
-def failure_view(errors: AnswerErrors, request: gr.Request) -> tuple[str, None, None]:
+def failure_view(errors: AnswerErrors) -> Callable[[gr.Request], tuple[str, None, None]]:
     """The answer area after a failed classify call: the reason in the badge's place, the
     previous answer (label, cache_info) cleared."""
-    message = errors.pop(getattr(request, "session_hash", None))
-    return NOT_CLASSIFIED + (message or "The request failed; please try again."), None, None
+
+    def show_failure(request: gr.Request) -> tuple[str, None, None]:
+        message = errors.pop(getattr(request, "session_hash", None))
+        return NOT_CLASSIFIED + (message or "The request failed; please try again."), None, None
+
+    return show_failure
 
 
 def unreadable_text(message: str) -> str:
@@ -340,7 +344,7 @@ def _image_tab(
 def _answer_area(event: Any, errors: AnswerErrors, badge: Any, label: Any, info: Any) -> None:
     """After a classify call: where the answer came from, or why there is none."""
     event.success(badge_text, inputs=info, outputs=badge, api_visibility="private", queue=False)
-    event.failure(partial(failure_view, errors), outputs=[badge, label, info], api_visibility="private",
+    event.failure(failure_view(errors), outputs=[badge, label, info], api_visibility="private",
                   queue=False)  # fmt: skip
 
 

@@ -26,10 +26,18 @@ fail on: 404 for an unknown event or component, 400 for a URL file reference or 
 unencodable session, 422 for inputs Gradio cannot take, each with a message and a log line.
 Everything else goes to Gradio with its body replayed. A remote file is never fetched: this
 app classifies files uploaded to it.
+
+On `/queue/join` (the route of gradio_client, the JS client and the browser), a refused input
+is answered as Gradio answers an input its event's validator refuses: 422 with
+`{"detail": [{"__type__": "validate", "is_valid": false, "parameter_name": ..., "message": ...}]}`.
+gradio_client raises only a bare `400 Bad Request` for any other refusal (it reads no body but
+that one), and fails on a 422 whose detail is a string; this one it raises as
+`ValidationError("1 parameter(s) failed validation:\n- image: <the reason>")`.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
@@ -64,6 +72,17 @@ class Refusal(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.detail: Any = message  # the body's "detail"
+        self.input_index: int | None = None  # the input refused, where one is
+
+
+def as_validation(refusal: Refusal, parameter: str) -> Refusal:
+    """`refusal` as Gradio's answer to an input its event's validator refuses (see the module
+    docstring): the one 4xx body gradio_client shows its user."""
+    answer = Refusal(422, refusal.message)
+    answer.detail = [{"__type__": "validate", "is_valid": False, "parameter_name": parameter,
+                      "message": refusal.message}]  # fmt: skip
+    return answer
 
 
 class GradioGuard:
@@ -93,7 +112,7 @@ class GradioGuard:
             what = f"POST {scope['path'][:200]}: {refusal.status} {refusal.message[:300]}"
             self._refusals.refused(client[0], what)
             headers = [(b"connection", b"close")] if refusal.status == 413 else []
-            await respond(send, refusal.status, {"detail": refusal.message}, headers=headers)
+            await respond(send, refusal.status, {"detail": refusal.detail}, headers=headers)
             return
         await self.app(scope, replay(messages, receive), send)
 
@@ -143,7 +162,12 @@ class GradioGuard:
         probed = bool(getattr(fn.fn, "cache", False))
         if not probed and _LONE_SURROGATE.search(json.dumps(data, ensure_ascii=False, default=str)):
             raise Refusal(400, "Inputs must be text UTF-8 can carry (one has an unpaired surrogate).")
-        _check_inputs(fn, data, self._session_blocks(body.session_hash))
+        try:
+            _check_inputs(fn, data, self._session_blocks(body.session_hash))
+        except Refusal as refusal:
+            if kind != "queue" or refusal.input_index is None:
+                raise
+            raise as_validation(refusal, _parameter_name(fn, refusal.input_index)) from None
 
     def _check_call_v2(self, api_name: str, request: Any) -> None:
         if not isinstance(request, dict):
@@ -213,29 +237,52 @@ def _check_inputs(fn: Any, data: list[Any], session_blocks: dict[int, Any] | Non
     for index, block in enumerate(fn.inputs):
         if block.stateful:
             continue  # Gradio reads the session's state, not the request
-        value = data[index]
-        _check_file_references(value, uploaded_only=not probed)
-        if index in fn.component_prop_inputs:
-            continue
-        if isinstance(block, gr.Dataset) and block.type != "index":
-            _check_sample_index(block, value, f"Input {index} of {name}")
-        if value is None:
-            continue
-        # A session's copy of the block where an event updated it (its choices, for one).
-        current = session_blocks.get(block._id, block) if session_blocks else block
-        _check_choice(current, value, f"Input {index} of {name}")
-        model = getattr(block, "data_model", None)
-        if model is None:
-            continue
         try:
-            read = model.model_validate(value, context={"validate_meta": True})
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            detail = f"{where}: {first['msg']}" if where else first["msg"]
-            kind = block.get_block_name()
-            raise Refusal(422, f"Input {index} of {name} is not a valid {kind} value: {detail}.") from None
-        _check_path(getattr(read, "path", None))  # a file component checks it against the upload folder
+            _check_input(fn, index, block, data[index], probed=probed, session_blocks=session_blocks)
+        except Refusal as refusal:
+            refusal.input_index = index
+            raise
+
+
+def _parameter_name(fn: Any, index: int) -> str:
+    """The name Gradio gives input `index` of `fn` in a validation answer
+    (queueing.process_validation_response)."""
+    names = list(getattr(fn, "input_parameter_names", None) or ())
+    if not names and fn.fn is not None:
+        try:
+            names = list(inspect.signature(fn.fn).parameters)
+        except (TypeError, ValueError):
+            names = []
+    return names[index] if index < len(names) else f"parameter_{index}"
+
+
+def _check_input(
+    fn: Any, index: int, block: Any, value: Any, *, probed: bool, session_blocks: dict[int, Any] | None
+) -> None:
+    """Input `index` of `fn` (see _check_inputs)."""
+    name = fn.api_name or fn.name or "this event"
+    _check_file_references(value, uploaded_only=not probed)
+    if index in fn.component_prop_inputs:
+        return
+    if isinstance(block, gr.Dataset) and block.type != "index":
+        _check_sample_index(block, value, f"Input {index} of {name}")
+    if value is None:
+        return
+    # A session's copy of the block where an event updated it (its choices, for one).
+    current = session_blocks.get(block._id, block) if session_blocks else block
+    _check_choice(current, value, f"Input {index} of {name}")
+    model = getattr(block, "data_model", None)
+    if model is None:
+        return
+    try:
+        read = model.model_validate(value, context={"validate_meta": True})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        detail = f"{where}: {first['msg']}" if where else first["msg"]
+        kind = block.get_block_name()
+        raise Refusal(422, f"Input {index} of {name} is not a valid {kind} value: {detail}.") from None
+    _check_path(getattr(read, "path", None))  # a file component checks it against the upload folder
 
 
 def _check_choice(block: Any, value: Any, what: str) -> None:

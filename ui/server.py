@@ -29,6 +29,7 @@ from api import DirectInfer, build_oip_router, oip_body_limit
 from engine.models.base import takes_image
 from settings import FORWARDED_ALLOW_IPS, Settings
 from storage.embedded_redis import REDIS_SUBDIR
+from ui.api_page import ApiSnippets
 from ui.app_ui import build_demo, example_photos, read_upload
 from ui.cached_calls import CachedApi, CachedCalls
 from ui.call_protocol import RefusalLog
@@ -103,6 +104,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     # the list: inside Gradio's CORS middleware, so refusals carry the CORS headers its own do.
     guard = Middleware(GradioGuard, blocks=demo, max_body_bytes=settings.max_gradio_body_bytes)
     gradio_app.user_middleware.append(guard)
+    gradio_app.user_middleware.append(Middleware(ApiSnippets))  # the API page's bash snippets run as printed
     holder = install_lean_sessions(gradio_app, demo)
     sweeps = SweepTimer(holder)  # abandoned calls expire with no new call to sweep them
     app.router.add_event_handler("startup", sweeps.start)
