@@ -1,6 +1,8 @@
-"""The README's API examples run as printed, against the app served as `make run` serves it.
+"""The README's and docs/API.md's examples run as printed, against the app served as
+`make run` serves it.
 
-Each code block after an `<!-- example -->` line is taken from README.md verbatim; the only
+Each code block after an `<!-- example -->` line is taken from README.md (and docs/API.md)
+verbatim; the only
 changes are the port (7860 becomes the test server's) and the example photo (`cat.png` becomes
 a real photo, scikit-image's cat). Bash blocks run with `bash -euo pipefail -c`, Python blocks
 with this interpreter (the venv's), each in its own process, and each must succeed and print
@@ -24,15 +26,20 @@ from tests.served_app import Served, served_app
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = (README, ROOT / "docs" / "API.md")
 EXAMPLE = re.compile(r"^<!-- example -->\n```(bash|python)\n(.*?)^```", re.M | re.S)
 README_PORT = "7860"
 README_PHOTO = "cat.png"
 EXPECTED = {"Where is my order?": "order_status", README_PHOTO: "tabby"}
 
 
-def readme_examples() -> list[tuple[str, str]]:
-    """(language, code) of every marked block of the README, in order."""
-    return EXAMPLE.findall(README.read_text(encoding="utf-8"))
+def readme_examples(pages: tuple[Path, ...] = (README,)) -> list[tuple[str, str]]:
+    """(language, code) of every marked block of these pages, in order."""
+    return [found for page in pages for found in EXAMPLE.findall(page.read_text(encoding="utf-8"))]
+
+
+def example_id(value: object) -> str:
+    return value if value in ("bash", "python") else ""
 
 
 def test_the_api_section_has_an_example_for_each_door() -> None:
@@ -55,9 +62,7 @@ def served(
         yield app
 
 
-@pytest.mark.parametrize(
-    "language, code", readme_examples(), ids=lambda v: v if v in ("bash", "python") else ""
-)
+@pytest.mark.parametrize("language, code", readme_examples(PAGES), ids=example_id)
 def test_readme_example_runs_as_printed(
     language: str, code: str, served: Served, photo_dir: Path, tmp_path: Path
 ) -> None:
