@@ -280,6 +280,30 @@ def test_one_address_abandoning_calls_pushes_out_only_its_own(
         assert "event: complete" in stream.text
 
 
+def test_many_addresses_filling_the_table_push_out_their_own_calls_not_a_visitors(
+    served: Served, client: GradioHttpClient
+) -> None:
+    holder = served.holder
+    holder.one_shot_capacity = 12  # the bound in all; each flooding address stays under its own
+    assert_answered(client.call("classify_text", [CACHED]), "miss")
+    with _from(served, "127.0.0.5") as visitor:
+        kept = visitor.post("/gradio_api/call/classify_text", json={"data": [CACHED]}).json()["event_id"]
+        deadline = time.monotonic() + 10
+        while kept not in holder.one_shot and time.monotonic() < deadline:
+            time.sleep(0.05)  # its session made once it runs
+        for n in range(10):
+            with _from(served, f"127.0.1.{n + 1}") as flooder:
+                for _ in range(3):
+                    flooder.post("/gradio_api/call/classify_text", json={"data": [CACHED]}).raise_for_status()
+        deadline = time.monotonic() + 10
+        while len(holder.one_shot) > holder.one_shot_capacity and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(holder.one_shot) <= holder.one_shot_capacity
+        assert kept in holder.one_shot  # the oldest, but its client holds one call, the others 3
+        stream = visitor.get(f"/gradio_api/call/classify_text/{kept}")
+        assert "event: complete" in stream.text
+
+
 def test_abandoned_calls_expire_with_no_new_call_to_sweep_them(make_runtime, monkeypatch) -> None:
     monkeypatch.setattr(lean_sessions, "SWEEP_EVERY_S", 0.2)
     app = build_app(make_runtime())

@@ -286,9 +286,10 @@ class LeanStateHolder(StateHolder):
                 state = self.one_shot[session_id] = LeanSessionState(self.blocks)
             return state
 
-    def _drop_oldest_one_shot_of(self, client: str) -> None:
+    def _drop_oldest_one_shot_of(self, client: str) -> bool:
         """A client past its share of one-shot sessions: its oldest call not waiting in the
-        queue goes (answered or not; one still waiting stays Gradio's to run)."""
+        queue goes (answered or not; one still waiting stays Gradio's to run). False when
+        every call it has is still waiting."""
         queue = self.blocks._queue
         for session_id in list(self.one_shot):
             if self._client_of.get(session_id) != client:
@@ -296,7 +297,8 @@ class LeanStateHolder(StateHolder):
             event = queue.event_ids_to_events.get(session_id)
             if event is None or not _queued(queue, event):
                 self._drop_one_shot(session_id, delivered=not queue.pending_event_ids_session.get(session_id))
-                return
+                return True
+        return False
 
     def _drop_one_shot(self, session_id: str, *, delivered: bool) -> None:
         queue = self.blocks._queue
@@ -309,21 +311,25 @@ class LeanStateHolder(StateHolder):
         _forget_call(queue, session_id, delivered=delivered)
 
     def sweep(self) -> None:
-        """Forget the oldest one-shot sessions whose answer was delivered, and those over
-        the bounds (an answer nobody read). Calls end roughly in order, so this stops at
-        the first one still running: amortised O(1) per call."""
+        """Forget the oldest one-shot sessions whose answer was delivered or that are past
+        their age (an answer nobody read). Calls end roughly in order, so this stops at the
+        first one still running: amortised O(1) per call. Then, while the table is full,
+        the client holding the most one-shot sessions gives up its oldest (a crowd of
+        addresses filling the table pushes out its own calls, not a visitor's call that
+        is being answered)."""
         queue = self.blocks._queue
         now = time.monotonic()
         while self.one_shot:
             session_id, state = next(iter(self.one_shot.items()))
             delivered = not queue.pending_event_ids_session.get(session_id)
-            abandoned = (
-                len(self.one_shot) >= self.one_shot_capacity
-                or now - state.created > self.one_shot_max_age_s
-            )
-            if not (delivered or abandoned):
-                return
+            if not (delivered or now - state.created > self.one_shot_max_age_s):
+                break
             self._drop_one_shot(session_id, delivered=delivered)
+        while len(self.one_shot) >= self.one_shot_capacity:
+            largest = max(self._one_shots_of, key=self._one_shots_of.__getitem__, default=None)
+            if largest is None or not self._drop_oldest_one_shot_of(largest):
+                oldest = next(iter(self.one_shot))  # no client known, or all its calls queued
+                self._drop_one_shot(oldest, delivered=not queue.pending_event_ids_session.get(oldest))
 
 
 def _queued(queue: Any, event: Any) -> bool:
@@ -390,6 +396,16 @@ class SweepTimer:
                 continue
 
 
+class EventIdsPerSession(dict):
+    """Gradio's `Queue.pending_event_ids_session`, where a session that is gone reads as one
+    with no call pending. A session pushed out (its calls abandoned, or over a bound) may
+    still have a result stream open: Gradio's stream reads the table after each message,
+    and would fail with a KeyError and a traceback; now it ends the stream cleanly."""
+
+    def __missing__(self, session_hash: str) -> frozenset[str]:
+        return frozenset()
+
+
 def install_lean_sessions(mounted_app: Any, blocks: Blocks) -> LeanStateHolder:
     """Give `blocks` one `LeanStateHolder`, shared by the mounted Gradio app
     (`gradio.routes.App`, which serves requests) and `blocks.app` (the one `queue()`
@@ -400,4 +416,5 @@ def install_lean_sessions(mounted_app: Any, blocks: Blocks) -> LeanStateHolder:
         app.state_holder = holder
     queue = blocks._queue
     queue.pending_messages_per_session = SessionQueues(queue, holder)
+    queue.pending_event_ids_session = EventIdsPerSession(queue.pending_event_ids_session)
     return holder
