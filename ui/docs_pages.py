@@ -48,25 +48,22 @@ def add_docs_pages(app: FastAPI) -> None:
 
     app.mount(DOCS_ASSETS, StaticFiles(directory=assets_dir()), name="docs-assets")
 
+    def page(request: Request) -> tuple[str, str, str]:
+        """The schema's URL, the pages' title and where the assets are, under any root path."""
+        root = request.scope.get("root_path", "")
+        return f"{root}{openapi_url}", f"{app.title}: API", f"{root}{DOCS_ASSETS}"
+
     @app.get(DOCS_PATH, include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "")
+        schema, title, assets = page(request)
         return get_swagger_ui_html(
-            openapi_url=f"{root}{openapi_url}",
-            title=f"{app.title}: API",
-            swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
-            swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
-            swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png",
+            openapi_url=schema, title=title, swagger_js_url=f"{assets}/swagger-ui-bundle.js",
+            swagger_css_url=f"{assets}/swagger-ui.css", swagger_favicon_url=f"{assets}/favicon.png",
             swagger_ui_parameters={"validatorUrl": None},  # Swagger UI would ask validator.swagger.io
-        )
+        )  # fmt: skip
 
     @app.get(REDOC_PATH, include_in_schema=False)
     async def redoc(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "")
-        return get_redoc_html(
-            openapi_url=f"{root}{openapi_url}",
-            title=f"{app.title}: API",
-            redoc_js_url=f"{root}{DOCS_ASSETS}/{REDOC_SCRIPT}",
-            redoc_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png",
-            with_google_fonts=False,
-        )
+        schema, title, assets = page(request)
+        return get_redoc_html(openapi_url=schema, title=title, redoc_js_url=f"{assets}/{REDOC_SCRIPT}",
+                              redoc_favicon_url=f"{assets}/favicon.png", with_google_fonts=False)  # fmt: skip
