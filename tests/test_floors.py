@@ -19,6 +19,7 @@ SKIPPED_DIRS = {".venv", "data", "test-artifacts", "__pycache__", ".git", "node_
 # A module's floor is its first dotted part's; higher may import lower or equal.
 FLOORS: dict[str, int] = {
     "settings": 0,
+    "settings_reference": 0,  # the settings reference (docs/CONFIGURATION.md), generated
     "storage": 1,
     "engine": 2,
     "admin": 3,
