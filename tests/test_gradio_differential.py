@@ -476,7 +476,7 @@ def test_the_table_covers_what_the_issue_lists() -> None:
 
 def test_a_cached_call_while_the_queue_is_full(sides: dict[str, Side]) -> None:
     """Intended difference: Gradio refuses every call with 503 while its queue is full, its
-    cache probe's hits included; the lean app answers hits (the README says why)."""
+    cache probe's hits included; the lean app answers hits (docs/DESIGN.md says why)."""
     replies = {}
     for name, side in sides.items():
         queue = side.blocks._queue

@@ -20,7 +20,7 @@ sampled every `RSS_SAMPLE_S`), and the end-to-end latency percentiles of the fir
 window (`WINDOW_MIN` minutes each, or a third of a shorter run), for all requests, hits and
 new inputs.
 
-Asserted (the bounds README's Development section states):
+Asserted (the bounds docs/DEVELOPMENT.md states):
 
 - every request is answered, and a hit's top label is the one the warm-up got;
 - RSS: the median of the last window is at most `RSS_GROWTH_MAX_MB` above the first's;

@@ -18,7 +18,7 @@ refuses, any other file reference) goes on as it came, body and all, to the app'
 Gradio gives (a stream of heartbeats until the client leaves). An event id or session Gradio
 does not know gets Gradio's `404` event on a stream closed cleanly (Gradio breaks the stream
 off and logs a traceback), with one log line per client per minute. The deliberate
-differences are listed in the README ("Cached calls skip Gradio").
+differences are listed in docs/DESIGN.md ("Cached calls skip Gradio").
 """
 
 from __future__ import annotations
