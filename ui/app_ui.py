@@ -299,6 +299,15 @@ def _miss_lane(engine: InferenceEngine, task: str) -> dict[str, Any]:
     return {"concurrency_limit": limit, "concurrency_id": f"classify_{task}"}
 
 
+# Gradio hides the footer's "Use via API" link at widths up to 640 px (a phone): the API page
+# is how a developer who found the app on a phone learns to call it, so it stays. Not in an
+# @media rule: Gradio scopes those of the app's CSS to its `.contain` box, outside which the
+# footer lies (a plain rule it keeps as written too); at other widths the link is shown anyway.
+PHONE_CSS = """
+footer .show-api { display: flex !important; }
+"""
+
+
 def _tab_title(task: str) -> str:
     return {"image": "Image", "text": "Text"}.get(task, task.replace("_", " ").replace("-", " ").capitalize())
 

@@ -30,7 +30,7 @@ from engine.models.base import takes_image
 from settings import FORWARDED_ALLOW_IPS, Settings
 from storage.embedded_redis import REDIS_SUBDIR
 from ui.api_page import ApiSnippets
-from ui.app_ui import build_demo, example_photos, read_upload
+from ui.app_ui import PHONE_CSS, build_demo, example_photos, read_upload
 from ui.cached_calls import CachedApi, CachedCalls
 from ui.call_protocol import RefusalLog
 from ui.docs_pages import add_docs_pages
@@ -79,7 +79,7 @@ def build_app(runtime: Runtime) -> FastAPI:
         max_file_size=settings.max_upload_bytes,
         ssr_mode=False,
         footer_links=["api"],
-        css=CARD_CSS,
+        css=CARD_CSS + PHONE_CSS,
         # The example photos are the only files outside Gradio's own folders the app hands out;
         # the request log and the embedded Redis are never to be served or read as an upload.
         allowed_paths=[str(p) for p in example_photos()],
