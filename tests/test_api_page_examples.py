@@ -3,8 +3,8 @@ shows (read from the page in headless Chromium, as a person would copy it) is ru
 against the served app, Python with this venv's interpreter, bash with `bash -c`. Real models,
 the app served as `make run` serves it (ui.server.serve_runtime).
 
-And a gradio_client user whose call the app refuses (an image URL: the app never fetches
-one) is told why, not only "400 Bad Request"."""
+And a gradio_client or curl user whose call the app refuses (an image URL: the app never
+fetches one) is told why, not only "400 Bad Request"."""
 
 from __future__ import annotations
 
@@ -91,6 +91,17 @@ def test_bash_snippets_run_as_printed(api_page: Page, app_url: str) -> None:
         assert "event: complete" in out and '"confidences"' in out, out
         if "classify_image" in snippet:
             assert any(name in out for name in CAT), out
+
+
+def test_a_refused_call_tells_curl_why(api_page: Page) -> None:
+    """The page's bash snippet for the image, its file an image URL: the call is accepted and
+    its result stream says why the app refuses it (a 4xx body would be lost in the snippet's
+    awk, which reads the event id from the POST's answer)."""
+    snippet = next(s for s in shown_snippets(api_page, "cURL", "curl -X POST") if "classify_image" in s)
+    upload, call = snippet.split("\n\n", 1)
+    assert upload.startswith("FILE_PATH=$(curl"), upload
+    out = run(["bash", "-c", "FILE_PATH=https://example.invalid/cat.jpg\n" + call])
+    assert out.startswith("event: error\ndata: ") and "does not fetch URLs" in out, out
 
 
 def test_a_refused_call_tells_the_gradio_client_why(app_url: str, photo_dir: Path) -> None:

@@ -59,6 +59,7 @@ from ui.call_protocol import (
     simple_data,
     sse_start,
 )
+from ui.gradio_guard import RefusedCalls
 from ui.lean_sessions import DeliveredIds
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,12 @@ class CachedCalls:
         apis: dict[str, CachedApi],
         *,
         clock: Callable[[], float] = time.monotonic,
+        refused: RefusedCalls | None = None,
     ) -> None:
         self.app: ASGIApp = _not_wired
+        # Calls the guard accepted only to refuse their input (ui.gradio_guard): their GET streams
+        # the reason as Gradio's error event, with the shortcut on or off.
+        self.refused = refused
         self._gradio_app = gradio_app
         self._engine = engine
         self._apis = apis
@@ -125,6 +130,14 @@ class CachedCalls:
         return self
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.refused is not None and scope["type"] == "http" and scope["method"] == "GET":
+            path = get_route_path(scope)
+            parts = path[len(CALL_PREFIX) :].split("/") if path.startswith(CALL_PREFIX) else None
+            route = _call_route("GET", parts) if parts is not None else None
+            reason = self.refused.pop(route[0]) if route is not None else None
+            if reason is not None:
+                await event_stream(error_event(reason))(send)
+                return
         if self.enabled and scope["type"] == "http":
             path, method = get_route_path(scope), scope["method"]
             if path.startswith(CALL_PREFIX) and method in ("POST", "GET"):

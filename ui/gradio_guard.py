@@ -33,6 +33,12 @@ is answered as Gradio answers an input its event's validator refuses: 422 with
 gradio_client raises only a bare `400 Bad Request` for any other refusal (it reads no body but
 that one), and fails on a 422 whose detail is a string; this one it raises as
 `ValidationError("1 parameter(s) failed validation:\n- image: <the reason>")`.
+
+On `/call/<api>` and `/call/v2/<api>` (curl, the "Use via API" page's bash snippet), a refused
+input is answered as Gradio answers a call whose function raises: the call is accepted
+(`{"event_id": ...}`) and its result stream (`GET /call/<api>/<event_id>`, answered by
+ui.cached_calls from `RefusedCalls`) is one `event: error` with the reason. The snippet pipes
+the POST's answer into awk for the event id: a 4xx body's reason would be lost there.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ import inspect
 import json
 import logging
 import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,7 +63,7 @@ from pydantic import ValidationError
 from starlette.routing import get_route_path
 
 from ui.asgi import TOO_LARGE, ASGIApp, Receive, Scope, Send, read_body, replay, respond
-from ui.call_protocol import RefusalLog
+from ui.call_protocol import RefusalLog, json_response
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +77,40 @@ NOT_AN_UPLOAD = (
 )
 
 
+REFUSED_CALLS_CAPACITY = 2000  # as many as ui.cached_calls keeps answers waiting for their GET
+REFUSED_CALLS_TTL_S = 300.0
+
+
+class RefusedCalls:
+    """The reasons of refused `/call` inputs, by the event id their POST answered, until the
+    GET reads them: at most `capacity`, none older than `ttl_s`."""
+
+    def __init__(self, *, capacity: int = REFUSED_CALLS_CAPACITY, ttl_s: float = REFUSED_CALLS_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self._capacity = capacity
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reasons: OrderedDict[str, tuple[float, str]] = OrderedDict()
+
+    def add(self, reason: str) -> str:
+        event_id = uuid.uuid4().hex
+        now = self._clock()
+        with self._lock:
+            self._reasons[event_id] = (now, reason)
+            while self._reasons:
+                oldest, (at, _) = next(iter(self._reasons.items()))
+                if len(self._reasons) <= self._capacity and now - at <= self._ttl_s:
+                    break
+                del self._reasons[oldest]
+        return event_id
+
+    def pop(self, event_id: str) -> str | None:
+        with self._lock:
+            entry = self._reasons.pop(event_id, None)
+        return entry[1] if entry is not None and self._clock() - entry[0] <= self._ttl_s else None
+
+
 class Refusal(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -74,6 +118,7 @@ class Refusal(Exception):
         self.message = message
         self.detail: Any = message  # the body's "detail"
         self.input_index: int | None = None  # the input refused, where one is
+        self.call_input = False  # an input of a /call: answered as an error event (RefusedCalls)
 
 
 def as_validation(refusal: Refusal, parameter: str) -> Refusal:
@@ -88,9 +133,12 @@ def as_validation(refusal: Refusal, parameter: str) -> Refusal:
 class GradioGuard:
     """ASGI middleware of the Gradio app serving `blocks` (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, *, blocks: Any, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, *, blocks: Any, max_body_bytes: int, refused_calls: RefusedCalls | None = None
+    ) -> None:
         self.app = app
         self._blocks = blocks
+        self._refused_calls = refused_calls
         self._max_body_bytes = max_body_bytes
         self._named_parameters: dict[str, list[dict[str, Any]]] | None = None
         self._refusals = RefusalLog(log)
@@ -111,6 +159,10 @@ class GradioGuard:
             client = scope.get("client") or ("unknown", 0)
             what = f"POST {scope['path'][:200]}: {refusal.status} {refusal.message[:300]}"
             self._refusals.refused(client[0], what)
+            if refusal.call_input and self._refused_calls is not None:
+                event_id = self._refused_calls.add(refusal.message)
+                await json_response(200, {"event_id": event_id})(send)  # the reason: the GET's error event
+                return
             headers = [(b"connection", b"close")] if refusal.status == 413 else []
             await respond(send, refusal.status, {"detail": refusal.detail}, headers=headers)
             return
@@ -165,9 +217,12 @@ class GradioGuard:
         try:
             _check_inputs(fn, data, self._session_blocks(body.session_hash))
         except Refusal as refusal:
-            if kind != "queue" or refusal.input_index is None:
+            if refusal.input_index is None:
                 raise
-            raise as_validation(refusal, _parameter_name(fn, refusal.input_index)) from None
+            if kind == "queue":
+                raise as_validation(refusal, _parameter_name(fn, refusal.input_index)) from None
+            refusal.call_input = kind == "call"
+            raise
 
     def _check_call_v2(self, api_name: str, request: Any) -> None:
         if not isinstance(request, dict):
@@ -181,7 +236,11 @@ class GradioGuard:
             data = construct_args(parameters, (), named)
         except (TypeError, ValueError) as exc:  # an unknown, repeated or missing parameter
             raise Refusal(422, str(exc)) from None
-        _check_inputs(fn, _simple_data(fn, data))
+        try:
+            _check_inputs(fn, _simple_data(fn, data))
+        except Refusal as refusal:
+            refusal.call_input = refusal.input_index is not None
+            raise
 
     def _check_component_server(self, request: Any) -> None:
         try:

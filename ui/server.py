@@ -34,7 +34,7 @@ from ui.app_ui import PHONE_CSS, build_demo, example_photos, read_upload
 from ui.cached_calls import CachedApi, CachedCalls
 from ui.call_protocol import RefusalLog
 from ui.docs_pages import add_docs_pages
-from ui.gradio_guard import GradioGuard
+from ui.gradio_guard import GradioGuard, RefusedCalls
 from ui.lean_sessions import SweepTimer, install_lean_sessions
 from ui.limits import HeaderLimits, limited_http_protocol
 from ui.queue_shares import QueueShares
@@ -102,7 +102,9 @@ def build_app(runtime: Runtime) -> FastAPI:
     gradio_app.add_exception_handler(RequestValidationError, invalid_body)
     # The other requests Gradio would fail with a 500 are refused before its routes. Last in
     # the list: inside Gradio's CORS middleware, so refusals carry the CORS headers its own do.
-    guard = Middleware(GradioGuard, blocks=demo, max_body_bytes=settings.max_gradio_body_bytes)
+    refused_calls = RefusedCalls()  # a /call's refused input: its GET's error event (ui.cached_calls)
+    guard = Middleware(GradioGuard, blocks=demo, max_body_bytes=settings.max_gradio_body_bytes,
+                       refused_calls=refused_calls)  # fmt: skip
     gradio_app.user_middleware.append(guard)
     gradio_app.user_middleware.append(Middleware(ApiSnippets))  # the API page's bash snippets run as printed
     holder = install_lean_sessions(gradio_app, demo)
@@ -112,7 +114,8 @@ def build_app(runtime: Runtime) -> FastAPI:
     QueueShares(demo._queue, holder).install()  # one address cannot fill the queue for the others
     # Cached answers of the two-step HTTP API skip Gradio's routing and queue (see ui.cached_calls):
     # a middleware of the Gradio app just inside its CORS middleware, in front of the guard.
-    shortcut = CachedCalls(gradio_app, engine, _cached_call_apis(demo, engine, settings.max_upload_bytes))
+    apis = _cached_call_apis(demo, engine, settings.max_upload_bytes)
+    shortcut = CachedCalls(gradio_app, engine, apis, refused=refused_calls)
     shortcut.install()
     app.state.cached_calls = shortcut
     return app
