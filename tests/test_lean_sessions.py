@@ -304,6 +304,26 @@ def test_many_addresses_filling_the_table_push_out_their_own_calls_not_a_visitor
         assert "event: complete" in stream.text
 
 
+def test_many_addresses_filling_the_message_queues_push_out_their_own_not_a_visitors(
+    served: Served, client: GradioHttpClient
+) -> None:
+    queues = served.queue.pending_messages_per_session
+    queues.max_size = 12  # Gradio's table of message queues, one per session, in all
+    assert_answered(client.call("classify_text", [CACHED]), "miss")
+    fn_index = next(i for i, fn in served.blocks.fns.items() if fn.api_name == "classify_text")
+    with _from(served, "127.0.0.5") as visitor:
+        kept = visitor.post("/gradio_api/call/classify_text", json={"data": [CACHED]}).json()["event_id"]
+        for n in range(10):  # each address a few sessions of its own, never fetched
+            with _from(served, f"127.0.1.{n + 1}") as flooder:
+                for k in range(3):
+                    join = {"data": [CACHED], "fn_index": fn_index, "session_hash": f"crowd-{n}-{k}"}
+                    flooder.post("/gradio_api/queue/join", json=join).raise_for_status()
+        assert len(queues) <= queues.max_size
+        assert kept in queues  # the oldest queue, but its client holds one, the others 3 each
+        stream = visitor.get(f"/gradio_api/call/classify_text/{kept}")
+        assert "event: complete" in stream.text
+
+
 def test_abandoned_calls_expire_with_no_new_call_to_sweep_them(make_runtime, monkeypatch) -> None:
     monkeypatch.setattr(lean_sessions, "SWEEP_EVERY_S", 0.2)
     app = build_app(make_runtime())

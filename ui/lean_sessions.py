@@ -96,7 +96,7 @@ class SessionQueues(GradioLRUCache):
     moves a session to the end once its queue exists, so plain eviction takes the oldest
     browser tab first."""
 
-    def __init__(self, queue: Any, holder: StateHolder) -> None:
+    def __init__(self, queue: Any, holder: LeanStateHolder) -> None:
         table = queue.pending_messages_per_session
         super().__init__(table.max_size)
         self._queue = queue
@@ -110,11 +110,20 @@ class SessionQueues(GradioLRUCache):
         super().__setitem__(key, value)
 
     def _victim(self) -> Any:
-        in_use = self._holder.session_data
+        """The oldest queue of the client holding the most queues here (a crowd of sessions
+        from one client, or from many addresses each holding a few, pushes out its own, not
+        a visitor's call being answered); with no client known, the oldest queue of a
+        session without state, then the oldest."""
+        holder = self._holder
         oldest = next(iter(self))
         try:
+            # Only when the table is full (2,000 queues by default): a scan of it is cheap then.
+            owners = Counter(client for key in self if (client := holder.client_of(key)) is not None)
+            if owners:
+                largest = max(owners, key=owners.__getitem__)  # on a tie, the oldest queue's
+                return next(key for key in self if holder.client_of(key) == largest)
             # Sessions in use are few and old: the scan passes them and stops at the first other.
-            return next((key for key in self if key not in in_use), oldest)
+            return next((key for key in self if key not in holder.session_data), oldest)
         except RuntimeError:  # the holder's table changed on another thread: as Gradio does
             return oldest
 
@@ -241,6 +250,10 @@ class LeanStateHolder(StateHolder):
                 self._client_of[session_id] = client
                 self._sessions_of[client] += 1
             self.session_data[session_id] = LeanSessionState(self.blocks)
+
+    def client_of(self, session_id: str) -> str | None:
+        """The client whose call made `session_id`, if known."""
+        return self._client_of.get(session_id)
 
     def _drop_session(self, session_id: str) -> None:
         self.session_data.pop(session_id, None)
