@@ -110,10 +110,11 @@ class SessionQueues(GradioLRUCache):
         super().__setitem__(key, value)
 
     def _victim(self) -> Any:
-        """The oldest queue of the client holding the most queues here (a crowd of sessions
-        from one client, or from many addresses each holding a few, pushes out its own, not
-        a visitor's call being answered); with no client known, the oldest queue of a
-        session without state, then the oldest."""
+        """A queue of the client holding the most queues here (a crowd of sessions from one
+        client, or from many addresses each holding a few, pushes out its own, not a
+        visitor's call being answered): its oldest one-shot call's, else its oldest session's
+        (a tab with state goes last). With no client known, the oldest queue of a session
+        without state, then the oldest."""
         holder = self._holder
         oldest = next(iter(self))
         try:
@@ -121,7 +122,8 @@ class SessionQueues(GradioLRUCache):
             owners = Counter(client for key in self if (client := holder.client_of(key)) is not None)
             if owners:
                 largest = max(owners, key=owners.__getitem__)  # on a tie, the oldest queue's
-                return next(key for key in self if holder.client_of(key) == largest)
+                owned = [key for key in self if holder.client_of(key) == largest]
+                return next((key for key in owned if key not in holder.session_data), owned[0])
             # Sessions in use are few and old: the scan passes them and stops at the first other.
             return next((key for key in self if key not in holder.session_data), oldest)
         except RuntimeError:  # the holder's table changed on another thread: as Gradio does
