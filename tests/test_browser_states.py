@@ -106,7 +106,7 @@ def test_an_unreadable_file_is_named_when_chosen_then_on_classify(
     upload_image(page, page_errors, fake)
     # Before Classify is pressed: the file is named unreadable, the previous answer gone.
     badge = page.locator("#image-badge")
-    expect(badge).to_contain_text("This file is not an image this app can read", timeout=UI_TIMEOUT_MS)
+    expect(badge).to_contain_text("This file is not an image we can read", timeout=UI_TIMEOUT_MS)
     expect(badge).not_to_contain_text("Computed on")
     expect(top_class(page, "image-label")).to_have_count(0)
     shot(page, "states-02-unreadable-chosen")
@@ -114,6 +114,11 @@ def test_an_unreadable_file_is_named_when_chosen_then_on_classify(
     page.locator("#image-submit").click()
     expect(badge).to_contain_text("Not classified", timeout=MODEL_TIMEOUT_MS)
     expect(badge).to_contain_text("not an image we can read")
+    # An empty file: named at once too.
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    upload_image(page, page_errors, empty)
+    expect(badge).to_contain_text("This file is not an image this app can read (The uploaded file is empty")
     shot(page, "states-03-unreadable-classified")
 
     # A readable file chosen again: the message goes.

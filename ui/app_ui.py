@@ -116,8 +116,11 @@ def failure_view(errors: AnswerErrors) -> Callable[[gr.Request], tuple[str, None
     return show_failure
 
 
-def unreadable_text(message: str) -> str:
-    return f"**This file is not an image this app can read** ({message})"
+def unreadable_text(exc: InvalidInputError) -> str:
+    """What the answer area says of a chosen file the model cannot take."""
+    if exc.code == "not_an_image":  # the engine's sentence says it already
+        return f"**{exc.message}**"
+    return f"**This file is not an image this app can read** ({exc.message})"
 
 
 def badge_text(info: dict[str, Any] | None) -> str:
@@ -224,7 +227,7 @@ def upload_check(
             try:
                 engine.check_input(task, read_upload(Path(image), max_upload_bytes))
             except InvalidInputError as exc:
-                return unreadable_text(exc.message), None, None
+                return unreadable_text(exc), None, None
         return "", None, None
 
     return check_upload
