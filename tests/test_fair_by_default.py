@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 from gradio_client import Client, handle_file
-from playwright.sync_api import Browser, expect
+from playwright.sync_api import Browser, Page, expect
 
 from bench.workload.inputs import make_images, make_messages
 from runtime import Runtime
@@ -108,6 +108,17 @@ def _wait_answered(runtime: Runtime, before: int) -> None:
         time.sleep(0.005)
 
 
+def _wait_shown(page: Page, info: str, before: str) -> None:
+    """Until the page shows the new answer's cache_info, as a person reads the answer before
+    sending the next input (Gradio ignores a click while the same event is still pending:
+    on a busy machine the engine's answer can take a while to reach the page)."""
+    locator = page.locator(info)
+    deadline = time.monotonic() + MODEL_TIMEOUT_MS / 1000
+    while locator.inner_text() in (before, ""):  # choosing a photo clears the last answer first
+        assert time.monotonic() < deadline, "the answer never reached the page"
+        time.sleep(0.02)
+
+
 def _answered(runtime: Runtime) -> int:
     counters = runtime.engine.counters()
     return counters.misses + counters.hits_l1 + counters.hits_l2 + counters.refused + counters.errors
@@ -127,19 +138,21 @@ def test_the_browser_alone_on_an_idle_server_every_new_input_is_answered(
         page.get_by_role("tab", name="Text").click()
         textarea = page.locator("#text-input textarea")
         for message in messages:
-            before = _answered(runtime)
+            before, shown = _answered(runtime), page.locator("#text-info").inner_text()
             textarea.fill(message)
             page.locator("#text-submit").click()
             _wait_answered(runtime, before)
+            _wait_shown(page, "#text-info", shown)
         expect(page.locator("#text-badge")).to_contain_text("Computed on", timeout=MODEL_TIMEOUT_MS)
         toasts += page.locator(".toast-body").all_inner_texts()
         page.get_by_role("tab", name="Image").click()
         file_input = page.locator("#image-input input[type=file]")
         for photo in photos:
-            before = _answered(runtime)
+            before, shown = _answered(runtime), page.locator("#image-info").inner_text()
             file_input.set_input_files(str(photo))
             page.locator("#image-submit").click()
             _wait_answered(runtime, before)
+            _wait_shown(page, "#image-info", shown)
         expect(page.locator("#image-badge")).to_contain_text("Computed on", timeout=MODEL_TIMEOUT_MS)
         toasts += page.locator(".toast-body").all_inner_texts()
     finally:
