@@ -130,25 +130,23 @@ class CachedCalls:
         return self
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.refused is not None and scope["type"] == "http" and scope["method"] == "GET":
-            path = get_route_path(scope)
-            parts = path[len(CALL_PREFIX) :].split("/") if path.startswith(CALL_PREFIX) else None
-            route = _call_route("GET", parts) if parts is not None else None
-            reason = self.refused.pop(route[0]) if route is not None else None
-            if reason is not None:
-                await event_stream(error_event(reason))(send)
-                return
-        if self.enabled and scope["type"] == "http":
+        if scope["type"] == "http":
             path, method = get_route_path(scope), scope["method"]
+            route = None
             if path.startswith(CALL_PREFIX) and method in ("POST", "GET"):
                 route = _call_route(method, path[len(CALL_PREFIX) :].split("/"))
-                if route is not None and method == "POST":
+            if route is not None and method == "GET" and self.refused is not None:
+                reason = self.refused.pop(route[0])
+                if reason is not None:
+                    await event_stream(error_event(reason))(send)
+                    return
+            if self.enabled and route is not None:
+                if method == "POST":
                     await self._post(scope, receive, send, route[0], named=route[1])
-                    return
-                if route is not None:
+                else:
                     await self._get(scope, receive, send, route[0])
-                    return
-            elif path == QUEUE_DATA_PATH and method == "GET":
+                return
+            if self.enabled and path == QUEUE_DATA_PATH and method == "GET":
                 if self._unknown_session(scope):
                     self._refused(scope, "a stream of an unknown session: 404")
                     error = UnexpectedErrorMessage(message=NOT_FOUND, session_not_found=True).model_dump()
