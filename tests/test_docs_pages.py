@@ -7,12 +7,14 @@ page must render the API's routes, and nothing may have been asked of another ho
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from playwright.sync_api import Browser, Route, expect
 
+from runtime import build_runtime
 from tests.conftest import free_port
 from tests.test_browser import UI_TIMEOUT_MS, browser  # noqa: F401  (its Chromium fixture)
 from ui.server import BackgroundServer, build_app
@@ -24,10 +26,6 @@ INFER_ROUTE = "/v2/models/{model}/infer"
 
 @pytest.fixture(scope="module")
 def app_url(base_settings, real_models, tmp_path_factory) -> Iterator[str]:
-    from dataclasses import replace
-
-    from runtime import build_runtime
-
     settings = replace(base_settings, data_dir=tmp_path_factory.mktemp("docs-pages"), redis_url="off")
     runtime = build_runtime(settings, models=real_models)
     server = BackgroundServer(build_app(runtime), port=free_port()).start()
