@@ -49,7 +49,7 @@ bench-workload: $(STAMP)
 # About 8 minutes on 2 CPUs; figures go to docs/RELIABILITY.md by hand.
 bench-faults: $(STAMP)
 	@scripts/ensure_system_deps.sh redis-server redis-tools
-	$(PY) -m bench.faults
+	$(PY) -m faults
 
 # One Redis node against a 3-primary cluster and a Sentinel-managed primary (about 2 minutes).
 bench-redis-scale: $(STAMP)

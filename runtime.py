@@ -13,40 +13,40 @@ from dataclasses import dataclass, field
 from sqlalchemy.engine import Engine as SqlEngine
 
 from admin.auth import AdminAuth, generate_token
-from admin.clients import ClientActivity, FairnessCollector
-from admin.device_health import DeviceMonitor
-from admin.hard_examples import HardExamplesCollector
-from admin.insights import Insights
-from admin.metrics import Metrics
-from admin.service import AdminService, record_to_row
-from engine.cleanup import Cleanup
-from engine.codec import ValueCodec
-from engine.fairness import MissBudget
-from engine.fleet import FleetMember
-from engine.fleet_flight import FleetFlight
-from engine.forwarding import Forwarding
-from engine.generation import LocalGeneration, RedisGeneration
-from engine.hard_examples import HardExamples
-from engine.key_sampler import KeySampler
-from engine.l1_gate import GatedMemoryStore, GenerationConfirmations
-from engine.lifecycle import ModelLifecycle
+from admin.clients.service import ClientActivity, FairnessCollector
+from admin.console.service import AdminService, record_to_row
+from admin.hard_examples.service import HardExamplesCollector
+from admin.insights.service import Insights
+from admin.monitoring.device_health import DeviceMonitor
+from admin.monitoring.metrics import Metrics
+from engine.cache.codec import ValueCodec
+from engine.cache.generation import LocalGeneration, RedisGeneration
+from engine.cache.l1_gate import GatedMemoryStore, GenerationConfirmations
+from engine.capacity.fairness import MissBudget
+from engine.capacity.forwarding import Forwarding
+from engine.fleet.flight import FleetFlight
+from engine.fleet.member import FleetMember
+from engine.lifecycle.cleanup import Cleanup
+from engine.lifecycle.reload import ModelLifecycle
+from engine.lifecycle.warmup import WarmSet
 from engine.models.base import Classifier
 from engine.models.config import DEFAULT_SPECS, ModelSpec, load_config
 from engine.models.loader import LoadOptions, build_model, load_all
 from engine.models.onnx_backend import TorchThreads
-from engine.service import CachePolicy, InferenceEngine
-from engine.warmup import WarmSet
+from engine.pipeline.service import CachePolicy, InferenceEngine
+from engine.quality.hard_examples import HardExamples
+from engine.sizing.key_sampler import KeySampler
 from settings import Settings, usable_cores
 from storage.breaker import CircuitBreaker
-from storage.client_buckets import RedisBuckets
-from storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError, find_redis_server
 from storage.errors import CacheUnavailableError
-from storage.hard_example_store import HardExampleStore
 from storage.log_writer import RequestLogWriter
 from storage.memory import MemoryStore
-from storage.redis_clients import make_nodes
-from storage.redis_fleet import FleetKeys, FleetRedis
-from storage.redis_store import RedisStore
+from storage.redis.buckets import RedisBuckets
+from storage.redis.clients import make_nodes
+from storage.redis.embedded import EmbeddedRedis, EmbeddedRedisError, find_redis_server
+from storage.redis.fleet import FleetKeys, FleetRedis
+from storage.redis.hard_examples import HardExampleStore
+from storage.redis.store import RedisStore
 from storage.sql import make_engine, migrate
 
 log = logging.getLogger(__name__)
@@ -87,15 +87,17 @@ class Runtime:
     metrics: Metrics
     log_writer: RequestLogWriter
     _stack: ExitStack = field(repr=False)
-    fleet: FleetMember | None = None  # with Redis: this replica in the fleet (engine.fleet)
-    lifecycle: ModelLifecycle | None = None  # live model reloads (engine.lifecycle)
-    warm_set: WarmSet | None = None  # WARM_SET_SIZE > 0 with Redis: warm-up (engine.warmup)
+    fleet: FleetMember | None = None  # with Redis: this replica in the fleet (engine.fleet.member)
+    lifecycle: ModelLifecycle | None = None  # live model reloads (engine.lifecycle.reload)
+    warm_set: WarmSet | None = None  # WARM_SET_SIZE > 0 with Redis: warm-up (engine.lifecycle.warmup)
     torch_threads: TorchThreads | None = None  # torch's pool for the models served (onnx_backend)
-    client_activity: ClientActivity | None = None  # the console's Busiest clients (admin.clients)
-    # Who a request is from behind proxies (engine.forwarding); ServingApp applies it to each request.
+    client_activity: ClientActivity | None = None  # the console's Busiest clients (admin.clients.service)
+    # Who a request is from behind proxies (engine.capacity.forwarding); ServingApp applies it to each
+    # request.
     forwarding: Forwarding | None = None
-    hard_examples: HardExamples | None = None  # HARD_EXAMPLES_SIZE > 0 with Redis (engine.hard_examples)
-    insights: Insights | None = None  # sizing, worth, Redis/GPU health, CSV (admin.insights)
+    # HARD_EXAMPLES_SIZE > 0 with Redis (engine.quality.hard_examples)
+    hard_examples: HardExamples | None = None
+    insights: Insights | None = None  # sizing, worth, Redis/GPU health, CSV (admin.insights.service)
 
     def close(self) -> None:
         self._stack.close()
@@ -147,7 +149,7 @@ def build_runtime(
     model_factory: ModelFactory = load_models,
     model_loader: Callable[[str], Classifier] | None = None,
 ) -> Runtime:
-    """`model_loader(task)`: a live reload's fresh model (engine.lifecycle); by default the
+    """`model_loader(task)`: a live reload's fresh model (engine.lifecycle.reload); by default the
     task's MODELS_CONFIG entry loaded again, when the models came from the config."""
     stack = ExitStack()
     try:
@@ -159,7 +161,7 @@ def build_runtime(
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         l2_url, notice = _resolve_l2(settings, stack)
 
-        # With a shared Redis, L1 is served only while the generation is confirmed (engine.l1_gate).
+        # With a shared Redis, L1 is served only while the generation is confirmed (engine.cache.l1_gate).
         confirmations = GenerationConfirmations(bound_s=settings.generation_confirm_s)
         l1_sizes = {"max_bytes": settings.cache_l1_max_bytes, "default_ttl_s": settings.cache_l1_ttl_s}
         l1 = (MemoryStore(**l1_sizes) if l2_url is None
@@ -300,7 +302,7 @@ def _insights(
     settings: Settings, engine: InferenceEngine, codec: ValueCodec, stack: ExitStack, *,
     db: SqlEngine, writer: RequestLogWriter, admin: AdminService,
 ) -> Insights:  # fmt: skip
-    """The operator's questions (admin.insights): the key-stream sampler behind the sizing
+    """The operator's questions (admin.insights.service): the key-stream sampler behind the sizing
     curves (SIZING_MAX_KEYS=0: none) and, on CUDA, the GPU trend's sampler thread."""
     sampler = None
     if settings.sizing_max_keys > 0:

@@ -296,7 +296,7 @@ class Settings:
     breaker_failure_threshold: int = 1
     breaker_reset_s: float = 2.0
     generation_refresh_s: float = 0.5
-    # The fleet (engine/fleet.py): registry heartbeat (a record outlives 3 missed beats), how
+    # The fleet (engine/fleet/member.py): registry heartbeat (a record outlives 3 missed beats), how
     # long a flush/bump/evict waits for every live replica's acknowledgement, and how long a
     # replica serves L1 without confirming the shared generation (then L1 reads are bypassed).
     fleet_heartbeat_s: float = 1.0
@@ -332,20 +332,20 @@ class Settings:
     # A YAML file listing the served models (engine.models.config); None: the two built-ins.
     models_config: Path | None = None
     # Inputs of the hottest keys per task kept in Redis (with WARM_SET_TTL_S) to recompute
-    # after a model swap or a generation bump (engine.warmup); 0: off, nothing kept.
+    # after a model swap or a generation bump (engine.lifecycle.warmup); 0: off, nothing kept.
     warm_set_size: int = 0
     warm_set_ttl_s: int = 86_400
-    # Fairness (engine.fairness): misses each client may start per second, and how many at
+    # Fairness (engine.capacity.fairness): misses each client may start per second, and how many at
     # once after a pause (a token bucket shared by the fleet through Redis); 0: no budget.
     client_miss_rate: float = CLIENT_MISS_RATE
     client_miss_burst: int = CLIENT_MISS_BURST
     # Peers whose X-Forwarded-For names the client (uvicorn's setting and default); "*": any.
     forwarded_allow_ips: str = FORWARDED_ALLOW_IPS
     # Proxies in front that append the client's address to X-Forwarded-For, whatever their
-    # address (engine.forwarding): the client is the entry this many from the right. 0: none;
+    # address (engine.capacity.forwarding): the client is the entry this many from the right. 0: none;
     # on a Space (SPACE_ID set) 1, the platform's front.
     forwarded_trusted_hops: int = 0
-    # Hard examples (engine.hard_examples): inputs per task the model was unsure of (top score
+    # Hard examples (engine.quality.hard_examples): inputs per task the model was unsure of (top score
     # below HARD_EXAMPLE_MAX_SCORE or top-two margin below HARD_EXAMPLE_MIN_MARGIN, or shadow
     # verification disagreed), kept in Redis for HARD_EXAMPLES_TTL_S to be labelled; 0: off.
     hard_examples_size: int = 0
@@ -357,10 +357,10 @@ class Settings:
     # What an hour of model time costs (any currency): the console prices the time the cache
     # saved with it; 0 leaves money out.
     model_cost_per_hour: float = 0.0
-    # Keys each sizing profile tracks (engine.key_sampler): bounds its memory (~300 B a key)
+    # Keys each sizing profile tracks (engine.sizing.key_sampler): bounds its memory (~300 B a key)
     # and CPU; 0 turns the sizing curves off.
     sizing_max_keys: int = 4096
-    # Share of one core the sizing sampler's background updates may take (engine.key_sampler's
+    # Share of one core the sizing sampler's background updates may take (engine.sizing.key_sampler's
     # CpuBudget): past it the sampling rate falls, so a hit's cost stays bounded at any request
     # rate; 0: no CPU bound (SIZING_MAX_KEYS alone bounds it).
     sizing_cpu_share: float = 0.02

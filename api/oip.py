@@ -12,7 +12,7 @@ device, age_s) are also given flat.
 
 Statuses: 400 malformed request or bad input (`{"error": "<the engine's message>"}`),
 404 unknown model or version, 413 body over the limit, 415 unknown Content-Encoding,
-429 a miss past the client's miss budget (with `Retry-After`; engine.fairness: hits are
+429 a miss past the client's miss budget (with `Retry-After`; engine.capacity.fairness: hits are
 never refused), 503 the model failed. Readiness before the models load is the app's gate, not this router's.
 """
 
@@ -42,10 +42,10 @@ from api.tensors import (
     encode_infer_response,
     parse_infer_request,
 )
+from engine.capacity.fairness import client_id
 from engine.errors import InvalidInputError, ModelError, OverBudgetError
-from engine.fairness import client_id
 from engine.models.base import Classifier
-from engine.service import ClassifyResult, InferenceEngine
+from engine.pipeline.service import ClassifyResult, InferenceEngine
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ async def _serve_infer(
     for name, value in scope["headers"]:
         if name in _WANTED_HEADERS and name not in headers:  # the first, as Starlette's Headers
             headers[name.decode("latin-1")] = value.decode("latin-1")
-    client = client_id((scope.get("client") or ("",))[0])  # as engine.forwarding left it
+    client = client_id((scope.get("client") or ("",))[0])  # as engine.capacity.forwarding left it
     try:
         content, header_length = await _infer(engine, params["model"], params.get("version"), headers,
                                               receive, max_body_bytes, max_batch, client)  # fmt: skip

@@ -39,7 +39,7 @@ import psutil
 from bench.workload.inputs import make_images
 from runtime import build_runtime, load_models
 from settings import Settings
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
 from ui.lean_sessions import SWEEP_EVERY_S
 from ui.server import serve_runtime
 

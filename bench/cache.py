@@ -65,11 +65,11 @@ from bench.models import (
     tokenize,
 )
 from bench.peers import CommonRecipe, CountingModel, GrCache, Ours, System, counting, md5_key, our_settings
+from engine.cache.keys import digest_parts, raw_digest
 from engine.inputs import CanonicalImage, CanonicalText
-from engine.keys import digest_parts, raw_digest
 from engine.models.image import ImageClassifier
 from engine.models.text import TextClassifier
-from storage.embedded_redis import EmbeddedRedis, find_redis_server, free_port
+from storage.redis.embedded import EmbeddedRedis, find_redis_server, free_port
 
 RECIPE_REDIS_DB = 1
 TASKS = ("image", "text")

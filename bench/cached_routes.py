@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 
-from bench.gradio_http import GradioHttpClient, parse_event_stream
 from bench.workload.processes import process_cpu_s
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
+from testing.gradio_http import GradioHttpClient, parse_event_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 MESSAGE = "Where is my parcel? It was supposed to arrive on Monday."

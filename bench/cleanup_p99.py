@@ -1,4 +1,4 @@
-"""Live p99 of L2 hits with and without a background clean-up of old versions (engine.cleanup),
+"""Live p99 of L2 hits with and without a background clean-up of old versions (engine.lifecycle.cleanup),
 side by side in one run: `python -m bench.cleanup_p99 [--old 200000] [--seconds 5] [--rounds 4]`.
 
 A private redis-server holds `--old` entries of an old model version; an engine whose L1 keeps
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.live_load import FixedTextModel, l2_bench, live_latencies, phase_parser
-from engine.cleanup import CleanupJob
+from engine.lifecycle.cleanup import CleanupJob
 
 PREFIX = "bench-cleanup"
 

@@ -88,7 +88,7 @@ def png_pair(height: int = 64, width: int = 64, *, seed: int = 0) -> tuple[bytes
 
 def bmp_upload_pair(height: int = 48, width: int = 48, *, seed: int = 0) -> tuple[bytes, bytes]:
     """Two BMP files (uncompressed, no checksum) of different pictures whose bytes, hashed as
-    a raw upload (`b"bytes:"` then the file: engine.keys.raw_digest), used to collide: the
+    a raw upload (`b"bytes:"` then the file: engine.cache.keys.raw_digest), used to collide: the
     raw alias of one answered for the other."""
     noise = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
     template = _encode(noise, "BMP")
@@ -99,7 +99,7 @@ def bmp_upload_pair(height: int = 48, width: int = 48, *, seed: int = 0) -> tupl
 
 
 def text_pair(filler: str = "please help me with my account ", *, length: int = 1200) -> tuple[str, str]:
-    """Two different messages whose raw digests (`b"str:"` then UTF-8: engine.keys.raw_digest)
+    """Two different messages whose raw digests (`b"str:"` then UTF-8: engine.cache.keys.raw_digest)
     used to collide, so the second was answered from the first's raw alias.
 
     Text must stay valid UTF-8, and no aligned 4-byte window of the secret is plain text, so

@@ -21,7 +21,7 @@ default settings unless named, in turn `--rounds` times (samples pooled):
 Reported per flood phase: ordinary miss p50/p99, hit p99, failed ordinary requests, the flood's
 429s, and the flood's share of the inputs of contended passes (those that ran while another
 client wanted the model too) against its fair share of them (each pass's inputs divided among
-the clients wanting the model then; engine.admission). Targets: miss p99 <= 2x alone, hit p99
+the clients wanting the model then; engine.capacity.admission). Targets: miss p99 <= 2x alone, hit p99
 <= 1.5x, 0 failed, flood share <= fair share + 10 %.
 """
 
@@ -44,10 +44,10 @@ import httpx
 import numpy as np
 
 from bench.workload.inputs import make_messages
-from engine.fairness import client_id
+from engine.capacity.fairness import client_id
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
 from ui.server import serve_runtime
 
 ORDINARY = 4

@@ -1,4 +1,4 @@
-"""What collecting hard examples (engine.hard_examples) costs a miss, side by side in one run.
+"""What collecting hard examples (engine.quality.hard_examples) costs a miss, side by side in one run.
 
 Two engines in this process share the built-in models and one private redis-server: one
 collects (HARD_EXAMPLES_SIZE=1000), one does not. Every request is a new input (bench.workload's
@@ -35,11 +35,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.models import format_table
-from engine.hard_examples import HardExamples
+from engine.quality.hard_examples import HardExamples
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, free_port
-from storage.hard_example_store import HardExampleStore
+from storage.redis.embedded import EmbeddedRedis, free_port
+from storage.redis.hard_examples import HardExampleStore
 
 SIZE = 1000
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.gradio_http import GradioHttpClient
-from bench.oip_http import OipHttpClient
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
+from testing.gradio_http import GradioHttpClient
+from testing.oip_http import OipHttpClient
 
 VARIANTS = ("plain", "limited", "h11")
 MESSAGE = "Where is my parcel? It has been a week."

@@ -28,14 +28,14 @@ import httpx
 import numpy as np
 import xxhash
 
-import engine.keys
-import engine.service
+import engine.cache.keys
+import engine.pipeline.service
 from bench.models import MESSAGES, format_table, interleaved_samples, load_photos
-from bench.oip_http import infer_body
-from engine.keys import DIGEST_BYTES, KEY_SCHEME
+from engine.cache.keys import DIGEST_BYTES, KEY_SCHEME
 from runtime import build_runtime, load_models
 from settings import Settings
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
+from testing.oip_http import infer_body
 from ui.server import serve_runtime
 
 Digest = Callable[[Iterable[bytes | memoryview]], str]
@@ -60,13 +60,13 @@ HASHES: dict[str, Digest] = {"xxh3-128 (before)": _xxh3, "BLAKE3-128 (now)": _bl
 
 @contextlib.contextmanager
 def keyed_by(digest: Digest) -> Iterator[None]:
-    """The engine's keys from `digest` while inside (engine.keys.raw_digest looks it up there)."""
-    saved = engine.keys.digest_parts, engine.service.digest_parts
-    engine.keys.digest_parts = engine.service.digest_parts = digest
+    """The engine's keys from `digest` while inside (engine.cache.keys.raw_digest looks it up there)."""
+    saved = engine.cache.keys.digest_parts, engine.pipeline.service.digest_parts
+    engine.cache.keys.digest_parts = engine.pipeline.service.digest_parts = digest
     try:
         yield
     finally:
-        engine.keys.digest_parts, engine.service.digest_parts = saved
+        engine.cache.keys.digest_parts, engine.pipeline.service.digest_parts = saved
 
 
 def side_by_side(cases: dict[str, Callable[[Digest], object]], *, repeats: int) -> list[list[str]]:

@@ -13,15 +13,15 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from engine.generation import LocalGeneration
+from engine.cache.generation import LocalGeneration
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import Classifier, Prediction
-from engine.service import CachePolicy, InferenceEngine
+from engine.pipeline.service import CachePolicy, InferenceEngine
 from storage.breaker import CircuitBreaker
-from storage.embedded_redis import EmbeddedRedis
 from storage.memory import MemoryStore
-from storage.redis_clients import make_nodes
-from storage.redis_store import RedisStore
+from storage.redis.clients import make_nodes
+from storage.redis.embedded import EmbeddedRedis
+from storage.redis.store import RedisStore
 
 
 class FixedTextModel:

@@ -43,7 +43,7 @@ from engine.inputs import CanonicalText, clean_text
 from engine.models.base import Classifier, Prediction
 from runtime import Runtime, build_runtime
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, free_port
+from storage.redis.embedded import EmbeddedRedis, free_port
 
 Job = tuple[str, Any]  # (task, raw input)
 

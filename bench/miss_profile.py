@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import engine.service
+import engine.pipeline.service
 from bench.miss_cost import BACKENDS, load
 from bench.models import format_table
 from bench.workload.processes import fresh_redis
@@ -69,16 +69,16 @@ def profiled(model: Any, clock: StageClock) -> Iterator[None]:
                 "preprocess": "preprocess", "_embed": "embed"}  # fmt: skip
     for name in wrapped:
         setattr(model, name, clock.timed(stage_of[name], getattr(model, name)))
-    digests = {name: getattr(engine.service, name) for name in ("raw_digest", "digest_parts")}
+    digests = {name: getattr(engine.pipeline.service, name) for name in ("raw_digest", "digest_parts")}
     for name, function in digests.items():
-        setattr(engine.service, name, clock.timed("key digests", function))
+        setattr(engine.pipeline.service, name, clock.timed("key digests", function))
     try:
         yield
     finally:
         for name in wrapped:
             delattr(model, name)  # the class's method again
         for name, function in digests.items():
-            setattr(engine.service, name, function)
+            setattr(engine.pipeline.service, name, function)
 
 
 def exclusive(ms: dict[str, float], total: float, n: int) -> dict[str, float]:

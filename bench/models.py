@@ -62,7 +62,7 @@ MESSAGES = (
 
 BATCH_SIZES = (1, 8)
 # Benchmarks and the fault suite count two answers as the same when their labels match and
-# their scores are within this: a text miss computed in a batch (engine.batching) differs from
+# their scores are within this: a text miss computed in a batch (engine.capacity.batching) differs from
 # its one-at-a-time scores in the last bits.
 SCORE_TOLERANCE = 1e-5
 

@@ -38,10 +38,10 @@ from typing import Any
 
 from bench.live_load import run_for
 from bench.models import MESSAGES, fmt_ms, format_table, host_load, interleaved_samples, positive_int
-from bench.redis_servers import LocalCluster, LocalSentinel
 from runtime import Runtime, build_runtime
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, free_port
+from storage.redis.embedded import EmbeddedRedis, free_port
+from testing.redis_servers import LocalCluster, LocalSentinel
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 from bench.live_load import run_for
 from bench.miss_overhead import InstantTextModel
 from bench.models import format_table
-from engine.key_sampler import KeySampler
+from engine.sizing.key_sampler import KeySampler
 from runtime import Runtime, build_runtime
 from settings import Settings
 

@@ -17,9 +17,9 @@ from dataclasses import replace
 from typing import Any
 
 from bench.models import MESSAGES, load_photos
-from engine.codec import CHECKSUM_CODEC, CachedResult, ValueCodec
+from engine.cache.codec import CHECKSUM_CODEC, CachedResult, ValueCodec
 from engine.models.base import Classifier, Prediction
-from engine.shadow import SCORE_TOLERANCE
+from engine.quality.shadow import SCORE_TOLERANCE
 from settings import Settings
 
 PACE_S = 0.001
@@ -97,7 +97,7 @@ def numerics(models: dict[str, Classifier]) -> None:
     """Largest score difference between ways of computing the same answer on this device."""
     import torch
 
-    from engine.shadow import agree
+    from engine.quality.shadow import agree
 
     text = models["text"]
     canon = [text.canonicalize(t) for t in MESSAGES[:8]]

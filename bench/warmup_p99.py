@@ -1,4 +1,4 @@
-"""Live p99 with and without a warm-up running (engine.warmup), side by side in one run:
+"""Live p99 with and without a warm-up running (engine.lifecycle.warmup), side by side in one run:
 `python -m bench.warmup_p99 [--kept 200] [--seconds 3] [--rounds 4]`.
 
 A private redis-server; an engine whose warm set keeps `--kept` hot inputs, then a new model
@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from bench.live_load import FixedTextModel, l2_bench, live_latencies, phase_parser
-from engine.warmup import WarmSet
+from engine.lifecycle.warmup import WarmSet
 
 PREFIX = "bench-warmup"
 

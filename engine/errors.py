@@ -3,7 +3,7 @@
 InferenceCacheError
  ├── InvalidInputError      the caller's input is unusable; safe to show, safe to cache
  ├── ModelError             the model failed on a valid input; never cached
- ├── OverBudgetError        a client's miss budget is spent (engine.fairness); hits still work
+ ├── OverBudgetError        a client's miss budget is spent (engine.capacity.fairness); hits still work
  │    └── ModelLoadError    weights missing or not matching the architecture
  └── CacheUnavailableError  a cache tier cannot be reached (handled inside the engine)
       └── CacheSkippedError  one cluster primary skipped by its breaker; the others may answer
@@ -56,7 +56,7 @@ class ModelLoadError(ModelError):
 
 
 class OverBudgetError(InferenceCacheError):
-    """A client started more misses than its budget allows (engine.fairness). `message` is
+    """A client started more misses than its budget allows (engine.capacity.fairness). `message` is
     written for the end user; `retry_after_s` is when its next miss will be accepted."""
 
     def __init__(self, client: str, retry_after_s: float) -> None:

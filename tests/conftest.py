@@ -15,7 +15,7 @@ from engine.inputs import CanonicalText, clean_text
 from engine.models.base import Prediction
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, free_port
+from storage.redis.embedded import EmbeddedRedis, free_port
 
 SKIMAGE_PHOTOS = ("chelsea.png", "coffee.png", "rocket.jpg", "astronaut.png", "motorcycle_right.png")
 
@@ -59,7 +59,7 @@ def redis_server(redis_binary: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
 def postgres_server() -> Iterator[Any]:
     """One real PostgreSQL server for the session (Debian's binaries, a temp cluster, a free
     loopback port); tests take a fresh database each from `database_url`."""
-    from bench.postgres_server import PostgresServer, PostgresUnavailable
+    from testing.postgres_server import PostgresServer, PostgresUnavailable
 
     try:
         server = PostgresServer().start()

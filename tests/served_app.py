@@ -18,7 +18,7 @@ import psutil
 
 from runtime import Runtime, build_runtime
 from settings import Settings
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
 from ui.server import serve_runtime
 
 

@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from admin.auth import AdminAuth, AuthOutcome, bearer_token, token_fingerprint
-from admin.charts import all_figures
-from admin.tab import make_callbacks as make_admin_callbacks
+from admin.console.charts import all_figures
+from admin.console.tab import make_callbacks as make_admin_callbacks
 from engine.errors import InvalidInputError
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis
 from storage.log_writer import RequestLogWriter
+from storage.redis.embedded import EmbeddedRedis
 from storage.sql import RequestRow, make_engine, migrate
 from tests.conftest import CountingTextModel, free_port
 from ui.server import BackgroundServer, build_app

@@ -20,7 +20,7 @@ from gradio_client.exceptions import ValidationError
 from playwright.sync_api import Browser, Page, expect
 
 from runtime import build_runtime
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
 from tests.test_browser import UI_TIMEOUT_MS, browser, shot
 from ui.server import serve_runtime
 

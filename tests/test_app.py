@@ -12,9 +12,9 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
-from bench.gradio_http import GradioHttpClient, Reply, file_data
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
+from testing.gradio_http import GradioHttpClient, Reply, file_data
 from tests.conftest import CountingTextModel
 
 CAT_CLASSES = {"tabby", "tiger cat", "Egyptian cat", "Persian cat", "Siamese cat"}

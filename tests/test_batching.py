@@ -1,4 +1,4 @@
-"""MicroBatcher: concurrent misses of one model share a forward pass (engine.batching).
+"""MicroBatcher: concurrent misses of one model share a forward pass (engine.capacity.batching).
 
 A tiny deterministic stand-in model: the subject is the queueing, not the model.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.batching import MicroBatcher
+from engine.capacity.batching import MicroBatcher
 from engine.models.base import Prediction
 
 

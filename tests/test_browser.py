@@ -14,7 +14,7 @@ import pytest
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import free_port
 from ui.server import BackgroundServer, build_app
 

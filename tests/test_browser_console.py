@@ -11,8 +11,8 @@ import pytest
 import redis
 from playwright.sync_api import Browser, Page, expect
 
-from admin.device_health import cuda_available
-from storage.embedded_redis import EmbeddedRedis
+from admin.monitoring.device_health import cuda_available
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel, free_port
 from tests.test_browser import ARTIFACTS, UI_TIMEOUT_MS, assert_no_page_errors, browser, shot, sign_in
 from ui.server import BackgroundServer, build_app
@@ -105,7 +105,7 @@ def test_console_answers_the_operator_s_questions(
     runtime.engine.classify("text", "a brand new question")
     expect(page.locator("#admin-cards")).to_contain_text("41", timeout=15_000)
     # While the page is hidden the tick sends nothing: Refresh is not clicked.
-    from admin.insights_tab import AUTO_REFRESH_JS
+    from admin.insights.tab import AUTO_REFRESH_JS
 
     assert page.evaluate(HIDDEN_TICK_JS, AUTO_REFRESH_JS) == 0
 

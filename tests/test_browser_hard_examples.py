@@ -10,7 +10,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis, free_port
+from storage.redis.embedded import EmbeddedRedis, free_port
 from tests.test_browser import UI_TIMEOUT_MS, assert_no_page_errors, browser, shot, sign_in  # noqa: F401
 from tests.test_hard_examples import ConfidenceModel
 from ui.server import BackgroundServer, build_app

@@ -13,7 +13,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect
 
 from runtime import Runtime
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
 from tests.test_browser import (
     MODEL_TIMEOUT_MS,
     UI_TIMEOUT_MS,

@@ -15,11 +15,11 @@ import pytest
 import redis
 from PIL import Image
 
+from engine.cache.keys import DIGEST_PATTERN
 from engine.errors import InvalidInputError, ModelError
-from engine.keys import DIGEST_PATTERN
-from engine.service import L2_WRITE_DELAY_S, ProbeMiss
+from engine.pipeline.service import L2_WRITE_DELAY_S, ProbeMiss
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel, FailingModel
 
 pytestmark = pytest.mark.redis
@@ -444,7 +444,7 @@ def write_delay_s() -> float:
 @pytest.fixture
 def gated(make_runtime, redis_server, write_delay_s, monkeypatch):
     """(runtime, model, round trips list, key presence check, start a held request)."""
-    monkeypatch.setattr("engine.service.L2_WRITE_DELAY_S", write_delay_s)
+    monkeypatch.setattr("engine.pipeline.service.L2_WRITE_DELAY_S", write_delay_s)
     model = GatedTextModel()
     runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
     store = runtime.engine.l2_store()
@@ -570,7 +570,7 @@ def pool() -> Any:
 
 
 class TestMissesShareForwardPasses:
-    """engine.batching in the engine: misses waiting for a busy model go in its next pass."""
+    """engine.capacity.batching in the engine: misses waiting for a busy model go in its next pass."""
 
     def test_waiting_misses_share_the_next_pass_and_each_is_cached(self, make_runtime, pool) -> None:
         model = BatchingTextModel()

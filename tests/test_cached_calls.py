@@ -15,8 +15,8 @@ import pytest
 from gradio.server_messages import HeartbeatMessage
 from gradio_client import Client
 
-from bench.gradio_http import GradioHttpClient, Reply, parse_event_stream
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
+from testing.gradio_http import GradioHttpClient, Reply, parse_event_stream
 from tests.conftest import CountingTextModel
 from ui.cached_calls import PENDING_CAPACITY, PENDING_TTL_S, CachedCalls
 from ui.call_protocol import RefusalLog

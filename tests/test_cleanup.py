@@ -1,4 +1,4 @@
-"""Old versions in L2 (engine.cleanup): counts per model version and generation, a dry run,
+"""Old versions in L2 (engine.lifecycle.cleanup): counts per model version and generation, a dry run,
 a rate-limited background deletion that keeps what is served now and everything else."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import httpx
 import pytest
 import redis
 
-from engine.cleanup import LEGACY_SCHEME_MARK, CleanupJob, census, is_old, parse_key
-from engine.keys import digest_parts
+from engine.cache.keys import digest_parts
+from engine.lifecycle.cleanup import LEGACY_SCHEME_MARK, CleanupJob, census, is_old, parse_key
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis, free_port
+from storage.redis.embedded import EmbeddedRedis, free_port
 from tests.conftest import CountingTextModel
 
 pytestmark = pytest.mark.redis

@@ -19,9 +19,9 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from admin.device_health import cuda_available
+from admin.monitoring.device_health import cuda_available
 from engine.errors import InvalidInputError
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel
 from tests.test_packaging import venv_tool
 
@@ -183,7 +183,7 @@ def test_dashboard_asks_only_for_exported_metrics(exported_metrics: set[str]) ->
     exprs = {panel["title"]: [t["expr"] for t in panel["targets"]] for panel in dashboard["panels"]}
     every_expr = [expr for panel in exprs.values() for expr in panel]
     asked = {name for expr in every_expr for name in re.findall(r"\binfcache_\w+", expr)}
-    if not cuda_available():  # GPU figures exist on CUDA only (admin.health_metrics)
+    if not cuda_available():  # GPU figures exist on CUDA only (admin.monitoring.health_metrics)
         asked = {name for name in asked if not name.startswith("infcache_gpu_")}
     assert asked and asked <= exported_metrics, f"not exported: {sorted(asked - exported_metrics)}"
     for expr in every_expr:  # nothing but the app's metrics

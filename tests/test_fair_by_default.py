@@ -1,4 +1,4 @@
-"""Fair by default (engine.admission): with the default miss budget, one client alone on an idle
+"""Fair by default (engine.capacity.admission): with the default miss budget, one client alone on an idle
 server is answered every time, through each door a person or a script uses: REST (the real
 tritonclient), gradio_client, and the browser (headless Chromium driving the page).
 
@@ -23,7 +23,7 @@ from playwright.sync_api import Browser, Page, expect
 from bench.workload.inputs import make_images, make_messages
 from runtime import Runtime
 from settings import CLIENT_MISS_BURST, Settings
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import free_port
 from tests.test_browser import browser  # noqa: F401  (its Chromium fixture)
 from ui.server import serve_runtime

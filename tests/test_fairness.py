@@ -1,4 +1,4 @@
-"""Fairness for a public demo (engine.fairness, engine.admission): who a client is, a miss
+"""Fairness for a public demo (engine.capacity.fairness, engine.capacity.admission): who a client is, a miss
 budget per client (in a real Redis, shared by replicas, with a local fallback) that refuses a
 miss only when it would take the model from another client, round-robin queueing of misses,
 and the doors' answers: REST 429 + Retry-After, Gradio's error message."""
@@ -15,19 +15,19 @@ from typing import Any
 import httpx
 import pytest
 
-from admin.charts import all_figures
-from admin.clients_tab import client_rows, proxy_notice
-from bench.gradio_http import GradioHttpClient
-from engine.admission import CONTENDED_WINDOW_S, MissAdmission
+from admin.clients.tab import client_rows, proxy_notice
+from admin.console.charts import all_figures
+from engine.capacity.admission import CONTENDED_WINDOW_S, MissAdmission
+from engine.capacity.fairness import ClientLabels, FairQueue, FairSlots, MissBudget, QueueWaits, client_id
 from engine.errors import InvalidInputError, OverBudgetError
-from engine.fairness import ClientLabels, FairQueue, FairSlots, MissBudget, QueueWaits, client_id
-from engine.results import RequestRecord
+from engine.pipeline.results import RequestRecord
 from runtime import Runtime
 from settings import Settings
 from storage.breaker import CircuitBreaker
-from storage.client_buckets import LocalBuckets, RedisBuckets
-from storage.embedded_redis import EmbeddedRedis, free_port
-from storage.redis_store import RedisStore, make_client
+from storage.redis.buckets import LocalBuckets, RedisBuckets
+from storage.redis.embedded import EmbeddedRedis, free_port
+from storage.redis.store import RedisStore, make_client
+from testing.gradio_http import GradioHttpClient
 from ui.server import serve_runtime
 
 # ---- who a client is ------------------------------------------------------------------

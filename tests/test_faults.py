@@ -1,9 +1,9 @@
-"""The fault-injection suite, short: every scenario of `bench/faults/` with small sizes.
+"""The fault-injection suite, short: every scenario of `faults/` with small sizes.
 
 Two app processes (`python app.py`) share a Redis the fixture starts; each scenario
 injects one fault under load and checks every answer against the models' own. A
 scenario passes with zero failed requests, zero wrong results and all its checks.
-Run alone with `pytest -m faults`; full figures: `python -m bench.faults`.
+Run alone with `pytest -m faults`; full figures: `python -m faults`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench.faults import config, harness, report, scenarios
+from faults import config, harness, report, scenarios
 
 pytestmark = [pytest.mark.faults, pytest.mark.redis]
 

@@ -22,9 +22,9 @@ import httpx
 import pytest
 import redis
 
-from engine.fleet import FleetMember
+from engine.fleet.member import FleetMember
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel
 
 pytestmark = pytest.mark.redis
@@ -264,7 +264,7 @@ def test_member_closes_idempotently(fleet) -> None:
 
 
 def test_console_lists_replicas_and_names_unconfirmed_ones(fleet) -> None:
-    from admin.replicas_tab import fleet_line, make_replicas_callback
+    from admin.replicas.tab import fleet_line, make_replicas_callback
 
     a, _b = fleet("A"), fleet("B")
     rows = make_replicas_callback(a.admin)("signed-in operator")
@@ -275,7 +275,7 @@ def test_console_lists_replicas_and_names_unconfirmed_ones(fleet) -> None:
 
 
 def test_lease_follows_the_p99_within_its_bounds(fleet) -> None:
-    from engine.fleet_flight import LEASE_MIN_S
+    from engine.fleet.flight import LEASE_MIN_S
 
     flight = fleet("A", flight_lease_max_s=4.0).engine._fleet_flight
     assert flight is not None

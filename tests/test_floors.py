@@ -1,7 +1,7 @@
 """The floors (docs/ARCHITECTURE.md): an import may go down or sideways, never up.
 
-storage < engine < admin < api, ui < app.py, runtime.py (the composition root), process_setup.py < bench
-< tests.
+storage < engine < admin < api, ui < app.py, runtime.py (the composition root), process_setup.py < testing
+(servers and clients the suite and the benchmarks share) < bench < faults (the fault suite) < tests.
 `settings.py` is plain data below them all: anyone may import it, and it imports nothing of ours.
 Every import counts, including those inside functions and under `if TYPE_CHECKING:`.
 """
@@ -20,6 +20,7 @@ SKIPPED_DIRS = {".venv", "data", "test-artifacts", "__pycache__", ".git", "node_
 FLOORS: dict[str, int] = {
     "settings": 0,
     "settings_reference": 0,  # the settings reference (docs/CONFIGURATION.md), generated
+    "common": 0,  # small helpers that import nothing of ours (the owned background thread)
     "storage": 1,
     "engine": 2,
     "admin": 3,
@@ -28,8 +29,10 @@ FLOORS: dict[str, int] = {
     "app": 5,
     "runtime": 5,
     "process_setup": 5,
-    "bench": 6,
-    "tests": 7,
+    "testing": 6,
+    "bench": 7,
+    "faults": 8,
+    "tests": 9,
 }
 
 
@@ -90,9 +93,70 @@ def test_no_import_climbs_a_floor() -> None:
     assert climbing_imports(ROOT) == []
 
 
+# Inside a floor, each package's `__init__` docstring ends with "May import: a, b.c, ...": the
+# project modules that package's files may import besides its own (a prefix allows what is under it).
+RULE = "May import:"
+
+
+def package_rules(root: Path) -> dict[str, tuple[str, ...]]:
+    rules: dict[str, tuple[str, ...]] = {}
+    for init in sorted(root.rglob("__init__.py")):
+        if SKIPPED_DIRS.intersection(init.relative_to(root).parts):
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        if RULE in doc:
+            allowed = " ".join(doc.split(RULE, 1)[1].split()).rstrip(".")
+            rules[module_name(root, init)] = tuple(a.strip() for a in allowed.split(",") if a.strip())
+    return rules
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def imports_outside_package_rules(root: Path) -> list[str]:
+    """Every import of a project module that its package's "May import:" line does not allow."""
+    rules = package_rules(root)
+    bad: list[str] = []
+    for path in source_files(root):
+        here = module_name(root, path)
+        owners = [pkg for pkg in rules if _within(here, pkg)]
+        if not owners:
+            continue
+        package = max(owners, key=len)  # the innermost package with a rule
+        for line, target in imported_modules(root, path):
+            if target.split(".")[0] not in FLOORS or _within(target, package):
+                continue
+            if not any(_within(target, allowed) for allowed in rules[package]):
+                bad.append(f"{path.relative_to(root)}:{line}: {package} may not import {target}")
+    return bad
+
+
+def test_packages_import_only_what_their_init_allows() -> None:
+    assert len(package_rules(ROOT)) >= 15  # engine's and admin's packages, storage's
+    assert imports_outside_package_rules(ROOT) == []
+
+
+def test_an_import_outside_the_rule_is_caught(tmp_path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "engine/__init__.py": '"""E.\n\nMay import: storage."""\n',
+            "engine/cache/__init__.py": '"""C.\n\nMay import: engine.errors,\nstorage."""\n',
+            "engine/cache/keys.py": "from engine.errors import E\nfrom engine.cache import codec\n"
+            "from storage.memory import M\nimport engine.pipeline.service\n",
+            "engine/errors.py": "from storage.errors import S\nfrom engine.cache.keys import k\n",
+        },
+    )
+    assert imports_outside_package_rules(root) == [
+        "engine/cache/keys.py:4: engine.cache may not import engine.pipeline.service"
+    ]
+
+
 def test_every_source_file_is_seen() -> None:
     names = {module_name(ROOT, p) for p in source_files(ROOT)}
-    assert {"runtime", "app", "settings", "storage.redis_store", "engine.service", "ui.server"} <= names
+    expected = {"runtime", "app", "settings", "storage.redis.store", "engine.pipeline.service", "ui.server"}
+    assert expected <= names
     assert not any(name.startswith(".venv") for name in names)
 
 
@@ -108,7 +172,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     ("files", "culprit"),
     [
         ({"storage/x.py": "from engine.errors import E\n"}, "storage/x.py:1"),
-        ({"storage/x.py": "def f():\n    import admin.stats\n"}, "storage/x.py:2"),  # lazy import
+        ({"storage/x.py": "def f():\n    import admin.console.stats\n"}, "storage/x.py:2"),  # lazy import
         ({"engine/x.py": "if TYPE_CHECKING:\n    from ui import a\n"}, "engine/x.py:2"),  # type-only
         ({"engine/x.py": "import runtime\n"}, "engine/x.py:1"),
         ({"admin/x.py": "from api.oip import r\n"}, "admin/x.py:1"),
@@ -129,8 +193,9 @@ def test_imports_down_and_sideways_pass(tmp_path) -> None:
         {
             "storage/x.py": "import redis\nfrom settings import Settings\nfrom storage import y\n",
             "engine/x.py": "from storage.x import S\nfrom . import y\n",
-            "ui/x.py": "from api import r\nfrom admin.tab import t\nfrom engine.service import E\n",
-            "runtime.py": "from admin.service import A\nfrom storage.sql import s\n",
+            "ui/x.py": "from api import r\nfrom admin.console.tab import t\n"
+            "from engine.pipeline.service import E\n",
+            "runtime.py": "from admin.console.service import A\nfrom storage.sql import s\n",
             "tests/t.py": "from runtime import build_runtime\nfrom bench import peers\n",
         },
     )

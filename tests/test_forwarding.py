@@ -1,4 +1,4 @@
-"""Who a request is from behind proxies (engine.forwarding): trusted proxies by address,
+"""Who a request is from behind proxies (engine.capacity.forwarding): trusted proxies by address,
 proxies trusted by position (FORWARDED_TRUSTED_HOPS, a Space's default), a direct caller who
 cannot choose its identity, and one notice per untrusted proxy that forwards many clients."""
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from engine.forwarding import UNTRUSTED_PROXY_CLIENTS, Forwarding
+from engine.capacity.forwarding import UNTRUSTED_PROXY_CLIENTS, Forwarding
 from settings import Settings
 
 
@@ -54,7 +54,7 @@ def test_an_untrusted_proxy_forwarding_many_clients_is_reported_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     forwarding = Forwarding("127.0.0.1")
-    caplog.set_level(logging.WARNING, logger="engine.forwarding")
+    caplog.set_level(logging.WARNING, logger="engine.capacity.forwarding")
     for n in range(UNTRUSTED_PROXY_CLIENTS - 1):
         forwarding.client("10.16.3.80", [f"203.0.113.{n}"])
         forwarding.client("10.16.3.80", [f"203.0.113.{n}"])  # the same client again counts once

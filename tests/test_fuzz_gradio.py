@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from bench.faults.scenarios_abandoned import WRONG_VALUES
+from faults.scenarios_abandoned import WRONG_VALUES
 from settings import Settings
 from tests.served_app import HealthWatch, Served, rss_bytes, served_app
 

@@ -49,7 +49,7 @@ from api.tensors import InferRequest, parse_infer_request
 from engine.inputs import CanonicalImage, canonicalize_image
 from engine.models.base import Prediction
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "500"))

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from engine.generation import RedisGeneration, restore_generation_key
+from engine.cache.generation import RedisGeneration, restore_generation_key
 from storage.breaker import CircuitBreaker
-from storage.embedded_redis import EmbeddedRedis
-from storage.redis_store import RedisStore, make_client
+from storage.redis.embedded import EmbeddedRedis
+from storage.redis.store import RedisStore, make_client
 
 pytestmark = pytest.mark.redis
 

@@ -25,8 +25,8 @@ import pytest
 from fastapi import FastAPI
 from starlette.routing import Mount
 
-from bench.gradio_http import GradioHttpClient
 from runtime import build_runtime
+from testing.gradio_http import GradioHttpClient
 from tests.conftest import free_port
 from ui import server
 from ui.cached_calls import CachedCalls

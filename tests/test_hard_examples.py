@@ -1,4 +1,4 @@
-"""Hard examples (engine.hard_examples, HARD_EXAMPLES_SIZE): the answers the model was unsure of
+"""Hard examples (engine.quality.hard_examples, HARD_EXAMPLES_SIZE): the answers the model was unsure of
 kept in Redis (bounded, TTL, shared by replicas, never in the request or audit log), labelled
 by an operator through the API or the console, exported as Parquet or a folder layout."""
 
@@ -16,12 +16,12 @@ import httpx
 import pytest
 import redis
 
-from engine.hard_examples import MAX_HELD, NONE_OF_THESE, HardExamples, hard_reason
 from engine.inputs import CanonicalText
 from engine.models.base import Prediction
+from engine.quality.hard_examples import MAX_HELD, NONE_OF_THESE, HardExamples, hard_reason
 from runtime import Runtime
 from settings import Settings, SettingsError
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel
 from tests.test_warmup import ImageStandIn
 
@@ -332,7 +332,7 @@ def test_console_callbacks_need_sign_in_label_and_export(
 ) -> None:
     import gradio as gr
 
-    from admin.hard_examples_tab import example_rows, make_hard_example_callbacks
+    from admin.hard_examples.tab import example_rows, make_hard_example_callbacks
 
     runtime = make_runtime(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
                            hard_examples_size=5)  # fmt: skip
@@ -378,8 +378,8 @@ def test_collection_keeps_to_its_cpu_budget(
     from types import SimpleNamespace
 
     from storage.breaker import CircuitBreaker
-    from storage.hard_example_store import HardExampleStore
-    from storage.redis_store import RedisStore
+    from storage.redis.hard_examples import HardExampleStore
+    from storage.redis.store import RedisStore
 
     store = RedisStore(redis.Redis.from_url(redis_server.url), prefix="budget",
                        breaker=CircuitBreaker(failure_threshold=3, reset_s=1.0))  # fmt: skip

@@ -1,4 +1,4 @@
-"""The hard-example loop end to end with tiny user models (bench.tiny_models, random weights, so
+"""The hard-example loop end to end with tiny user models (testing.tiny_models, random weights, so
 every answer is unsure): requests over REST, the unsure ones kept, labelled by the operator
 through the API, exported, fine-tuned with docs/MODELS.md's own example, copied into the task's
 folder, reloaded live, and the labelled messages (and, with its image example, the
@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from admin.hard_examples_tab import make_hard_example_callbacks
-from bench.tiny_models import IMAGE_LABELS, TEXT_LABELS, make_image_model, make_text_model, write_config
+from admin.hard_examples.tab import make_hard_example_callbacks
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, free_port
+from storage.redis.embedded import EmbeddedRedis, free_port
+from testing.tiny_models import IMAGE_LABELS, TEXT_LABELS, make_image_model, make_text_model, write_config
 
 pytestmark = pytest.mark.redis
 TOKEN = "roundtrip-operator-token"

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from settings import Settings, SettingsError
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
 from tests.served_app import HealthWatch, Served, rss_bytes, served_app
 from ui.asgi import respond
 from ui.limits import UPLOAD_FORM_ALLOWANCE, BodyLimits, HeaderLimits

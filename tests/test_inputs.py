@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from engine.cache.keys import digest_parts
 from engine.errors import InvalidInputError
 from engine.inputs import CanonicalImage, CanonicalText, canonicalize_image, clean_text
-from engine.keys import digest_parts
 from settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

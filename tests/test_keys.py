@@ -17,10 +17,10 @@ import redis
 import xxhash
 
 from bench.collisions import bmp_upload_pair, pixel_pair, png_pair, text_pair
+from engine.cache.keys import DIGEST_PATTERN, KEY_SCHEME, digest_parts, raw_digest
 from engine.inputs import CanonicalImage, canonicalize_image
-from engine.keys import DIGEST_PATTERN, KEY_SCHEME, digest_parts, raw_digest
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 
 PAIRS = {
     "text (raw alias)": lambda: text_pair(),

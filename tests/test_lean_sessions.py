@@ -1,6 +1,6 @@
 """ui/lean_sessions.py: the Gradio internals it leans on, and what it does to a served app's memory.
 
-Session-less calls (curl style, `bench.gradio_http.GradioHttpClient` without a session hash) must
+Session-less calls (curl style, `testing.gradio_http.GradioHttpClient` without a session hash) must
 leave no session and none of Gradio's bookkeeping behind once answered; sessions with a hash
 (a browser tab, gradio_client) must keep their `gr.State` whatever the session-less load.
 """
@@ -23,11 +23,11 @@ from gradio.state_holder import SessionState
 from gradio.utils import LRUCache as GradioLRUCache
 from starlette.routing import Mount
 
-from admin.tab import NOT_SIGNED_IN
-from bench.gradio_http import GradioHttpClient, Reply
+from admin.console.tab import NOT_SIGNED_IN
 from engine.inputs import CanonicalText
 from engine.models.base import Prediction
 from runtime import Runtime
+from testing.gradio_http import GradioHttpClient, Reply
 from tests.conftest import CountingTextModel, free_port
 from ui import lean_sessions
 from ui.lean_sessions import LeanSessionState, LeanStateHolder, SessionQueues

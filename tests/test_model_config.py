@@ -14,11 +14,11 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from bench.tiny_models import IMAGE_LABELS, TEXT_LABELS, make_image_model, make_text_model, write_config
 from engine.models.config import DEFAULT_SPECS, ModelConfigError, load_config
 from engine.models.loader import LoadOptions, load_all
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings, SettingsError
+from testing.tiny_models import IMAGE_LABELS, TEXT_LABELS, make_image_model, make_text_model, write_config
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_served_by_name_in_gradio_and_rest(
     import httpx
     from gradio_client import Client, handle_file
 
-    from storage.embedded_redis import free_port
+    from storage.redis.embedded import free_port
     from ui.server import serve_runtime
 
     runtime = config_runtime([

@@ -15,9 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
-from bench.tiny_models import make_text_model, write_config
 from engine.models.config import ModelConfigError, load_config
 from engine.models.loader import LoadOptions, load_all
+from testing.tiny_models import make_text_model, write_config
 
 LABELS = ("neg", "neu", "pos")
 NAMED = {

@@ -1,4 +1,4 @@
-"""Live model reload (engine.lifecycle): new weights swapped in beside the old, in-flight requests
+"""Live model reload (engine.lifecycle.reload): new weights swapped in beside the old, in-flight requests
 finishing on the old model, failures keeping it, audit rows, and the reload reaching every replica."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.tiny_models import make_text_model, write_config
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, free_port
+from storage.redis.embedded import EmbeddedRedis, free_port
+from testing.tiny_models import make_text_model, write_config
 from tests.conftest import CountingTextModel
 from tests.test_model_config import assert_same, own_text_scores
 
@@ -169,7 +169,7 @@ def test_a_reload_reaches_every_replica(
 def test_fault_scenario_reload_under_load(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
     """The fault suite's model_reload scenario, quick: no failed request, every answer the
     model's own for the version it names, no old version after the acknowledgement."""
-    from bench.faults.scenarios_models import reload_under_load
+    from faults.scenarios_models import reload_under_load
 
     report = reload_under_load(redis_server.url, tmp_path, prefix="reload-quick", load_s=1.0, threads=3)
     assert report.failed == [] and report.wrong == [] and report.stale_after_ack == []

@@ -233,7 +233,7 @@ def test_text_prediction_is_deterministic(text_model: TextClassifier) -> None:
 def test_text_batches_give_each_message_its_own_answer(
     text_model: TextClassifier, support_messages: dict[str, list[str]]
 ) -> None:
-    """What engine.batching relies on: in a batch (padded to its longest message) each
+    """What engine.capacity.batching relies on: in a batch (padded to its longest message) each
     message keeps its labels, in order, and its scores to well within 1e-5."""
     assert text_model.batch_misses
     messages = [m for group in support_messages.values() for m in group]

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from bench.tiny_models import make_image_model, make_text_model, write_config
 from engine.models import onnx_backend
 from engine.models.config import ModelConfigError, load_config
 from engine.models.loader import LoadOptions, load_all
 from engine.models.onnx_backend import PROBE_TOLERANCE, attach, export_path
 from settings import Settings, SettingsError
+from testing.tiny_models import make_image_model, make_text_model, write_config
 
 # Not among the probe's photos (engine.models.image.PROBE_PHOTOS); camera.png is grey.
 HELD_OUT_PHOTOS = ("astronaut.png", "motorcycle_right.png", "retina.jpg", "camera.png")

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel, free_port
 
 pytestmark = pytest.mark.redis

@@ -1,4 +1,4 @@
-"""Redis and device health: INFO of every primary (storage.redis_health) in `/metrics`, the
+"""Redis and device health: INFO of every primary (storage.redis.health) in `/metrics`, the
 admin API and its warnings, on a real Redis with a maxmemory, one without, and a 3-primary
 cluster; GPU figures present on CUDA and absent (and said so) on the CPU."""
 
@@ -12,11 +12,11 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from admin.device_health import NO_CUDA, DeviceMonitor, GpuSample, cuda_available
-from admin.health_metrics import gpu_metrics
-from admin.insights_charts import gpu_figure, health_html
-from bench.redis_servers import LocalCluster
-from storage.embedded_redis import EmbeddedRedis
+from admin.insights.charts import gpu_figure, health_html
+from admin.monitoring.device_health import NO_CUDA, DeviceMonitor, GpuSample, cuda_available
+from admin.monitoring.health_metrics import gpu_metrics
+from storage.redis.embedded import EmbeddedRedis
+from testing.redis_servers import LocalCluster
 from tests.conftest import CountingTextModel
 from tests.test_sizing import TOKEN, get
 

@@ -2,7 +2,7 @@
 
 A 3-primary Redis Cluster (`redis-server --cluster-enabled yes`, `redis-cli --cluster
 create`) and a primary + replica + Sentinel are started once per module
-(`bench/redis_servers.py`) and stopped after; the node-down test gets a cluster of its own.
+(`testing/redis_servers.py`) and stopped after; the node-down test gets a cluster of its own.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import redis
 from redis.crc import key_slot
 
 import tests.test_stores as store_contract
-from admin.tab import stat_cards
-from bench.redis_servers import LocalCluster, LocalSentinel
+from admin.console.tab import stat_cards
 from runtime import Runtime
 from settings import REDIS_URL_FORMS, Settings, SettingsError, parse_redis_url
 from storage.breaker import CircuitBreaker
 from storage.errors import CacheUnavailableError
-from storage.redis_clients import make_nodes
-from storage.redis_cluster import TOPOLOGY_REFRESH_MIN_S
-from storage.redis_store import RedisStore
+from storage.redis.clients import make_nodes
+from storage.redis.cluster import TOPOLOGY_REFRESH_MIN_S
+from storage.redis.store import RedisStore
+from testing.redis_servers import LocalCluster, LocalSentinel
 from tests.conftest import CountingTextModel
 
 pytestmark = pytest.mark.redis
@@ -253,7 +253,7 @@ def test_plain_client_works_on_a_cluster_for_leases_and_pub_sub(cluster_store: R
 
 
 def test_cluster_down_at_start_up_fails_calls_not_the_app(make_runtime: Callable[..., Runtime]) -> None:
-    from bench.redis_servers import free_ports
+    from testing.redis_servers import free_ports
 
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     runtime = make_runtime(redis_url=url, redis_socket_timeout_s=0.2)  # nothing listens there
@@ -352,7 +352,7 @@ def test_the_fleet_works_on_a_cluster_and_through_sentinel(
     make_runtime: Callable[..., Runtime], request: pytest.FixtureRequest, topology: str
 ) -> None:
     """One fleet's registry, acknowledged flush and bump, and cross-replica single flight
-    (engine/fleet.py, storage/redis_fleet.py) through `store.client` on both new forms."""
+    (engine/fleet/member.py, storage/redis/fleet.py) through `store.client` on both new forms."""
     url = request.getfixturevalue(topology).url
     # Heartbeats fast enough for a short test, slow enough for a busy 2-CPU machine.
     fast = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.4, "generation_confirm_s": 2.0}
@@ -379,7 +379,7 @@ def test_the_fleet_works_on_a_cluster_and_through_sentinel(
 
 def test_a_sentinel_connection_that_timed_out_never_serves_its_late_reply(sentinel: LocalSentinel) -> None:
     """redis-py's Sentinel connections keep a connection whose read timed out; the next
-    command on it would read the late reply as its own (storage/redis_clients.py)."""
+    command on it would read the late reply as its own (storage/redis/clients.py)."""
     sentinel_store = RedisStore(make_nodes(sentinel.url, socket_timeout_s=0.25), prefix="contract",
                                 breaker=quick_breaker())  # fmt: skip
     client = sentinel_store.client

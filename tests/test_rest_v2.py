@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 from api import DirectInfer, build_oip_router, oip_body_limit
 from runtime import Runtime, build_runtime
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from storage.sql import RequestRow, make_engine
 from tests.conftest import CountingTextModel, FailingModel, free_port
 from ui.server import BackgroundServer, build_app, serve_runtime

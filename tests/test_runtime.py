@@ -11,7 +11,7 @@ import redis
 
 from runtime import build_runtime
 from settings import Settings, SettingsError
-from storage.embedded_redis import answers_ping
+from storage.redis.embedded import answers_ping
 from tests.conftest import CountingTextModel
 
 

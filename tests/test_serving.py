@@ -13,12 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.gradio_http import GradioHttpClient
 from engine.inputs import CanonicalText
 from engine.models.base import Prediction
 from runtime import Runtime, build_runtime
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis, free_port
+from storage.redis.embedded import EmbeddedRedis, free_port
+from testing.gradio_http import GradioHttpClient
 from tests.conftest import CountingTextModel
 from ui.server import BackgroundServer, build_app
 from ui.startup import ServingApp

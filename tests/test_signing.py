@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from engine.codec import (
+from engine.cache.codec import (
     CHECKSUM_CODEC,
     CachedAlias,
     CachedResult,
@@ -20,7 +20,7 @@ from engine.codec import (
 from engine.models.base import Prediction
 from runtime import Runtime
 from settings import Settings, SettingsError
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 
 K1 = b"k1-" + b"a" * 40
 K2 = b"k2-" + b"b" * 40

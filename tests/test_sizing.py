@@ -1,4 +1,4 @@
-"""Sizing: miss-ratio curves from the sampled key stream (engine.key_sampler, admin.sizing).
+"""Sizing: miss-ratio curves from the sampled key stream (engine.sizing.key_sampler, admin.insights.sizing).
 
 The estimate is checked against an exact byte-bounded LRU simulation of the same stream at
 every point of the curve, for streams of different shapes; then the hook in the real engine
@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from admin.sizing import curve_sizes, sizing_report
-from engine.key_sampler import OVERALL, KeySampler, hit_ratios
-from storage.embedded_redis import EmbeddedRedis
+from admin.insights.sizing import curve_sizes, sizing_report
+from engine.sizing.key_sampler import OVERALL, KeySampler, hit_ratios
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel
 
 TOKEN = "sizing-test-token"

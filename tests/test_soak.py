@@ -50,9 +50,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.faults.processes import AppProcess
-from bench.gradio_http import GradioHttpClient
-from storage.embedded_redis import EmbeddedRedis
+from faults.processes import AppProcess
+from storage.redis.embedded import EmbeddedRedis
+from testing.gradio_http import GradioHttpClient
 
 SOAK_MINUTES = float(os.environ.get("SOAK_MINUTES", "30"))
 WINDOW_MIN = 5.0

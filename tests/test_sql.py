@@ -20,7 +20,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import func, inspect, select, text
 from sqlalchemy.engine import Engine
 
-from admin import stats
+from admin.console import stats
 from storage import sql
 from storage.log_writer import RequestLogWriter
 from storage.sql import (
@@ -298,8 +298,8 @@ def test_replicas_sharing_a_database_are_all_counted(make_runtime, database_url:
 def test_console_says_the_log_is_unavailable_while_postgresql_is_down(make_runtime) -> None:
     """Its own server, stopped mid-test: requests go on, the console gets a clear 503-style
     error (no traceback), and once the server is back the queued rows are written and read."""
-    from admin.service import LogUnavailableError
-    from bench.postgres_server import PostgresServer
+    from admin.console.service import LogUnavailableError
+    from testing.postgres_server import PostgresServer
 
     with PostgresServer() as server:
         runtime = make_runtime(models={"text": CountingTextModel()}, database_url=server.url())

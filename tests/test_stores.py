@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
-from engine.codec import (
+from engine.cache.codec import (
     CachedAlias,
     CachedRejection,
     CachedResult,
@@ -19,10 +19,10 @@ from engine.codec import (
 )
 from engine.models.base import Prediction
 from storage.breaker import BreakerState, CircuitBreaker
-from storage.embedded_redis import EmbeddedRedis
 from storage.errors import CacheUnavailableError
 from storage.memory import MemoryStore
-from storage.redis_store import RedisStore, escape_glob, make_client
+from storage.redis.embedded import EmbeddedRedis
+from storage.redis.store import RedisStore, escape_glob, make_client
 
 
 class FakeClock:

@@ -13,12 +13,12 @@ import httpx
 import pytest
 import redis
 
-from admin.trust import mismatch_rows, shadow_summary
-from engine.codec import CachedResult, ValueCodec
+from admin.trust.service import mismatch_rows, shadow_summary
+from engine.cache.codec import CachedResult, ValueCodec
 from engine.models.base import Prediction
-from engine.shadow import ShadowVerifier, agree
+from engine.quality.shadow import ShadowVerifier, agree
 from runtime import Runtime
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel
 
 TOKEN = "trust-tests-operator-token"

@@ -1,4 +1,4 @@
-"""Warm-up (engine.warmup, WARM_SET_SIZE): the inputs of the hottest keys kept in Redis (at
+"""Warm-up (engine.lifecycle.warmup, WARM_SET_SIZE): the inputs of the hottest keys kept in Redis (at
 most N, with a TTL, never in the request log) and recomputed in the background after a
 generation bump or a live model swap, so that the next request for them is a hit."""
 
@@ -19,13 +19,13 @@ from PIL import Image
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from admin.warmup_tab import warmup_text
+from admin.models.warmup_tab import warmup_text
+from engine.cache.keys import DIGEST_PATTERN, digest_parts
 from engine.inputs import CanonicalImage, canonicalize_image
-from engine.keys import DIGEST_PATTERN, digest_parts
-from engine.warmup import WarmSet
+from engine.lifecycle.warmup import WarmSet
 from runtime import Runtime, build_runtime
 from settings import Settings
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 from storage.sql import RequestRow
 from tests.conftest import CountingTextModel
 
@@ -237,7 +237,7 @@ def test_the_warm_up_waits_for_live_requests(
 def test_the_warm_set_works_on_a_redis_cluster(
     make_runtime: Callable[..., Runtime], redis_binary: str
 ) -> None:
-    from bench.redis_servers import LocalCluster
+    from testing.redis_servers import LocalCluster
 
     with LocalCluster() as cluster:
         model = CountingTextModel("v1")

@@ -20,7 +20,7 @@ import pytest
 from bench import peers
 from bench.workload import cli, config, inprocess, inputs, processes, replay, report
 from engine.inputs import clean_text
-from storage.embedded_redis import EmbeddedRedis
+from storage.redis.embedded import EmbeddedRedis
 
 IMAGES, MESSAGES = 5, 5
 
@@ -137,7 +137,7 @@ def test_a_small_run_counts_right_and_ends_with_the_summary(
             assert np.all(result.latencies_ms > 0)
             assert result.wall_s > 0 and result.throughput > 0
             assert set(result.answers) == distinct
-            # Within the tolerance: concurrent text misses may share a batch (engine.batching).
+            # Within the tolerance: concurrent text misses may share a batch (engine.capacity.batching).
             assert all(replay.same_answer(result.answers[i], expected[i]) for i in distinct), (name, system)
             assert not result.disagreements
         assert by_system["nocache"].model_calls == len(stream)

@@ -1,5 +1,5 @@
-"""Is caching worth it (admin.verdict) and the CSV downloads (admin.exports), from the request
-log on SQLite and on PostgreSQL, through the admin API over HTTP."""
+"""Is caching worth it (admin.insights.verdict) and the CSV downloads (admin.console.exports), from the
+request log on SQLite and on PostgreSQL, through the admin API over HTTP."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from admin.exports import _cell
-from admin.verdict import duration, window_name
-from storage.embedded_redis import EmbeddedRedis
+from admin.console.exports import _cell
+from admin.insights.verdict import duration, window_name
+from storage.redis.embedded import EmbeddedRedis
 from tests.conftest import CountingTextModel
 from tests.test_sizing import TOKEN, get
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from engine.write_batch import L2Write, OverdueWriteTimer, WriteBatch
+from engine.cache.write_batch import L2Write, OverdueWriteTimer, WriteBatch
 
 
 class FakeClock:

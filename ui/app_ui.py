@@ -15,10 +15,10 @@ from typing import Any
 import gradio as gr
 from gradio.caching import CacheMissError
 
+from engine.capacity.fairness import client_id
 from engine.errors import InvalidInputError, ModelError, OverBudgetError
-from engine.fairness import client_id
 from engine.models.base import takes_image
-from engine.service import ClassifyResult, InferenceEngine, ProbeMiss
+from engine.pipeline.service import ClassifyResult, InferenceEngine, ProbeMiss
 from ui.components import UploadedImage
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def user_errors(probe: bool) -> Iterator[None]:
         if probe:
             raise CacheMissError() from None
         raise gr.Error(str(exc), print_exception=False) from None
-    except OverBudgetError as exc:  # the client's miss budget (engine.fairness); a probe never meets it
+    except OverBudgetError as exc:  # the client's miss budget (engine.capacity.fairness); never a probe's
         raise gr.Error(exc.message, title="Please slow down", print_exception=False) from None
     except gr.Error:
         raise
@@ -178,8 +178,8 @@ def make_callbacks(
 
 
 def request_client(request: gr.Request | None) -> str:
-    """Who sent a Gradio event (engine.fairness.client_id): the address of the connection that
-    queued it, as the forwarding step left it (engine.forwarding: the X-Forwarded-For client
+    """Who sent a Gradio event (engine.capacity.fairness.client_id): the address of the connection that
+    queued it, as the forwarding step left it (engine.capacity.forwarding: the X-Forwarded-For client
     of a trusted proxy)."""
     client = getattr(request, "client", None)
     return client_id(getattr(client, "host", None))
@@ -281,12 +281,12 @@ def live_stats_text(engine: InferenceEngine) -> str:
     return (
         f"**This process:** {answered:,} answers, hit rate {rate} "
         f"(memory {counters.hits_l1:,} · Redis {counters.hits_l2:,} · joined {counters.coalesced:,} "
-        f"· computed {counters.misses:,}) · cache generation {engine.generation}"
+        f"· computed {counters.misses:,}) · cache generation {engine.cache.generation}"
     )
 
 
 # Misses of one task let into the engine beyond its admission limit: they wait for a forward
-# pass there, served round-robin across clients (engine.fairness), where Gradio's own queue
+# pass there, served round-robin across clients (engine.capacity.fairness), where Gradio's own queue
 # would serve them first come, first served. Each holds one of Gradio's 40 worker threads.
 FAIR_WAITING = 12
 

@@ -43,8 +43,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import get_route_path
 
-from engine.fairness import client_id
-from engine.service import InferenceEngine
+from engine.capacity.fairness import client_id
+from engine.pipeline.service import InferenceEngine
 from ui.asgi import ASGIApp, Message, Receive, Scope, Send, read_body, replay
 from ui.call_protocol import (
     MAX_BODY_BYTES,
@@ -165,7 +165,7 @@ class CachedCalls:
             request = json_body(scope, body)
             data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
             if data is not None:
-                client = client_id((scope.get("client") or ("",))[0])  # as engine.forwarding left it
+                client = client_id((scope.get("client") or ("",))[0])  # as engine.capacity.forwarding left it
                 outputs = await self._cached_outputs(self._apis[api_name], data, client)
         if outputs is None:  # not ours to answer: on to the guard and Gradio, as it came
             await self.app(scope, replay(messages, receive), send)

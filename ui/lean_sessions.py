@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 # pending message queues), for at most this long.
 ONE_SHOT_CAPACITY = 2000
 ONE_SHOT_MAX_AGE_S = 300.0
-# Per client (engine.fairness.client_id of the call's address): one address's abandoned calls
+# Per client (engine.capacity.fairness.client_id of the call's address): one address's abandoned calls
 # push out its own oldest, never another client's. A session (a browser tab, a gradio_client)
 # costs more than a one-shot call, and one address rarely has more tabs open at once.
 ONE_SHOT_PER_CLIENT = 64

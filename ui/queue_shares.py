@@ -20,7 +20,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from engine.fairness import client_id
+from engine.capacity.fairness import client_id
 from ui.call_protocol import RefusalLog
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def waiting_per_client(queue: Any) -> Counter[str]:
 
 
 def client_of(request: Any) -> str:
-    """The client (engine.fairness.client_id) of a Gradio call's request."""
+    """The client (engine.capacity.fairness.client_id) of a Gradio call's request."""
     client = getattr(request, "client", None)
     return client_id(client.host if client is not None else None)
 

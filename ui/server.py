@@ -22,13 +22,13 @@ from gradio.route_utils import FnIndexInferError
 from starlette.middleware import Middleware
 from starlette.routing import Mount
 
-from admin.api import build_router
-from admin.insights_api import build_insights_router
-from admin.tab import CARD_CSS, build_admin_tab
+from admin.console.api import build_router
+from admin.console.tab import CARD_CSS, build_admin_tab
+from admin.insights.api import build_insights_router
 from api import DirectInfer, build_oip_router, oip_body_limit
 from engine.models.base import takes_image
 from settings import FORWARDED_ALLOW_IPS, Settings
-from storage.embedded_redis import REDIS_SUBDIR
+from storage.redis.embedded import REDIS_SUBDIR
 from ui.api_page import ApiSnippets
 from ui.app_ui import PHONE_CSS, build_demo, example_photos, read_upload
 from ui.cached_calls import CachedApi, CachedCalls
@@ -55,7 +55,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     app.include_router(
         build_router(engine=engine, admin=runtime.admin, auth=runtime.auth, metrics=runtime.metrics)
     )
-    if runtime.insights is not None:  # sizing, worth, health, CSV downloads (admin.insights_api)
+    if runtime.insights is not None:  # sizing, worth, health, CSV downloads (admin.insights.api)
         app.include_router(build_insights_router(insights=runtime.insights, auth=runtime.auth))
     oip_limit = oip_body_limit(settings.max_upload_bytes)
     app.include_router(build_oip_router(engine, max_body_bytes=oip_limit))
@@ -201,7 +201,7 @@ class BackgroundServer:
         # header_limits=None: uvicorn's own protocol, no limits (a benchmark's baseline).
         http = "httptools" if header_limits is None else limited_http_protocol(header_limits)
         # forwarded_allow_ips: whose X-Forwarded-For names the client, by uvicorn's rule; None
-        # for a ServingApp, which applies the runtime's own (engine.forwarding).
+        # for a ServingApp, which applies the runtime's own (engine.capacity.forwarding).
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=1, http=http,
                                 proxy_headers=forwarded_allow_ips is not None,
@@ -246,7 +246,7 @@ def serve_runtime(
     serving = ServingApp(runtime.settings, build_runtime=lambda _settings: runtime, build_app=build_app,
                          close_runtime=False)  # fmt: skip
     limits = HeaderLimits.from_settings(runtime.settings) if limit_headers else None
-    # Who a request is from is the runtime's to say (engine.forwarding), not uvicorn's.
+    # Who a request is from is the runtime's to say (engine.capacity.forwarding), not uvicorn's.
     server = BackgroundServer(serving, host=host, port=port, header_limits=limits,
                               forwarded_allow_ips=None).start(timeout_s)  # fmt: skip
     deadline = time.monotonic() + timeout_s
@@ -276,7 +276,7 @@ def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=limited_http_protocol(HeaderLimits.from_settings(settings)),
         # Who a request is from (the miss budget's identity) is ServingApp's to say, with the
-        # runtime's engine.forwarding (FORWARDED_ALLOW_IPS, FORWARDED_TRUSTED_HOPS), not uvicorn's.
+        # runtime's engine.capacity.forwarding (FORWARDED_ALLOW_IPS, FORWARDED_TRUSTED_HOPS), not uvicorn's.
         proxy_headers=False,
         # A line per request costs more server CPU than a cached answer; the request log
         # (console) and /metrics record every request.

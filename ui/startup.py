@@ -25,12 +25,12 @@ from fastapi import FastAPI
 from starlette.routing import Mount
 
 from admin.auth import AdminAuth
-from admin.insights import Insights
-from admin.metrics import Metrics
-from admin.service import AdminService
+from admin.console.service import AdminService
+from admin.insights.service import Insights
+from admin.monitoring.metrics import Metrics
+from engine.capacity.forwarding import Forwarding
 from engine.errors import ModelLoadError
-from engine.forwarding import Forwarding
-from engine.service import InferenceEngine
+from engine.pipeline.service import InferenceEngine
 from settings import Settings, redact_url
 from ui.asgi import Receive, Scope, Send, respond
 from ui.limits import BodyLimits
@@ -227,7 +227,7 @@ class ServingApp:
 
 
 def forwarded_client(scope: Scope, forwarding: Forwarding) -> None:
-    """Sets the request's client to the address it is from (engine.forwarding), and its scheme
+    """Sets the request's client to the address it is from (engine.capacity.forwarding), and its scheme
     to X-Forwarded-Proto's when a trusted proxy sent it, as uvicorn's proxy-headers step does
     (which serve() turns off: this replaces it)."""
     if scope["type"] not in ("http", "websocket"):

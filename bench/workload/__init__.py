@@ -67,5 +67,5 @@ Modules: `config` (systems, sizes, targets), `inputs` (inputs and streams), `rep
 (concurrent clients, results), `processes` (child processes, Redis, CPU and memory),
 `inprocess` (the systems called in process), `servers` and `over_http` (the HTTP run),
 `report` (tables, SUMMARY, REPORT.md, chart), `cli`. The peer systems are `bench.peers`;
-the HTTP clients `bench.gradio_http` and `bench.oip_http`.
+the HTTP clients `testing.gradio_http` and `testing.oip_http`.
 """

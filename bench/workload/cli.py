@@ -250,7 +250,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def main(argv: Sequence[str] | None = None, *, models: ModelSets | None = None) -> int:
-    from storage.embedded_redis import find_redis_server
+    from storage.redis.embedded import find_redis_server
 
     args = parse_args(argv)
     if find_redis_server() is None:

@@ -29,14 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from bench.gradio_http import GradioHttpClient
 from bench.models import host_load
-from bench.oip_http import OipHttpClient
 from bench.workload.config import HTTP_PATHS, Config, Job, Labels
 from bench.workload.inputs import PNG_MAGIC
 from bench.workload.processes import ModelSets
 from bench.workload.replay import Result, replay, rotated, split_segments
 from bench.workload.servers import Servers
+from testing.gradio_http import GradioHttpClient
+from testing.oip_http import OipHttpClient
 
 HIT_INPUTS = 8  # distinct cached inputs per task that the hit and memory phases cycle through
 HIT_ROUNDS = 5

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bench.workload.config import APP_MODELS, REDIS_MAXMEMORY_MB, TORCH_MODELS
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
 
 # Loaded models shared by the systems of a run in one process: set name -> task -> model.
 ModelSets = Mapping[str, Mapping[str, Any]]
@@ -141,7 +141,7 @@ class LocalHandle:
 def fresh_redis(workdir: Path, *, tcp: bool = False) -> Iterator[Any]:
     """A private redis-server with the app's maxmemory and policy and no snapshots: on a unix
     socket as the app starts its own (REDIS_URL unset), or on a free loopback port (`tcp`)."""
-    from storage.embedded_redis import EmbeddedRedis
+    from storage.redis.embedded import EmbeddedRedis
 
     port = free_port() if tcp else None
     server = EmbeddedRedis(data_dir=workdir, maxmemory_mb=REDIS_MAXMEMORY_MB, port=port, save=False)

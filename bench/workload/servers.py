@@ -36,7 +36,7 @@ from bench.workload.processes import (
     reset_peak_rss,
     rss_mib,
 )
-from storage.embedded_redis import free_port
+from storage.redis.embedded import free_port
 
 READY_TIMEOUT_S = 600.0
 

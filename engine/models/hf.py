@@ -215,7 +215,7 @@ class HFImageClassifier(_Base):
         super().__init__(
             task=task, folder=folder, device=device, top_k=top_k, max_batch=max_batch, ttl_s=ttl_s
         )
-        self.batch_misses = self._torch_device.type == "cuda"  # as the built-in (engine.batching)
+        self.batch_misses = self._torch_device.type == "cuda"  # as the built-in (engine.capacity.batching)
         self._max_upload_bytes = max_upload_bytes
         self._max_image_pixels = max_image_pixels
         try:

@@ -1,5 +1,5 @@
 """Loads the models MODELS_CONFIG names (engine.models.config), each checked with one
-forward pass; the composition root loads them at start-up and a live reload (engine.lifecycle)
+forward pass; the composition root loads them at start-up and a live reload (engine.lifecycle.reload)
 loads one again. Every failure names the entry."""
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class TextClassifier(BackendSeam):
     top_k = TOP_K  # MODELS_CONFIG may set it (engine.models.loader)
     name = "all-MiniLM-L6-v2-intents"
     cheap_canonicalize = True  # microseconds: fine to do in the queue's pre-check
-    # Concurrent misses share a forward pass: its per-call cost is large (engine.batching).
+    # Concurrent misses share a forward pass: its per-call cost is large (engine.capacity.batching).
     batch_misses = True
 
     def __init__(

@@ -1,0 +1,81 @@
+"""How big should each tier be: the miss-ratio curves of `engine.sizing.key_sampler`, as the console
+and `GET /admin/api/sizing` show them.
+
+For each task (and `overall`, every task's keys together: the stream one shared L1 sees), the
+hit ratio an LRU cache would have had over the window at sizes from a tenth to ten times
+today's (L1: CACHE_L1_MAX_BYTES; L2: Redis's maxmemory, or its used memory when it has no
+limit), and the smallest of those sizes that reaches 95 % of the best ratio on the curve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from engine.sizing.key_sampler import HOUR_S, KEEP_HOURS, OVERALL, KeySampler, ReuseProfile, hit_ratios
+
+STEPS_PER_DECADE = 10
+GOOD_ENOUGH = 0.95  # "reaches 95 % of the best hit ratio"
+FALLBACK_BYTES = 1 << 20  # a curve's centre when a tier has no size (L1 of 0 bytes)
+
+
+def curve_sizes(current: int) -> list[int]:
+    """From current/10 to current*10, STEPS_PER_DECADE points per decade (current included)."""
+    centre = max(current, 1) if current > 0 else FALLBACK_BYTES
+    steps = range(-STEPS_PER_DECADE, STEPS_PER_DECADE + 1)
+    return [max(1, round(centre * 10 ** (k / STEPS_PER_DECADE))) for k in steps]
+
+
+def tier_curve(
+    counts: Any, histogram: dict[int, float], current: int, **extra: Any
+) -> dict[str, Any]:
+    sizes = curve_sizes(current)
+    ratios = hit_ratios(counts, histogram, sizes)
+    best = max(ratios, default=0.0)
+    enough = next((s for s, r in zip(sizes, ratios, strict=True) if best > 0 and r >= GOOD_ENOUGH * best),
+                  None)  # fmt: skip
+    return {
+        "current_bytes": current,
+        "current_hit_ratio": ratios[STEPS_PER_DECADE],
+        "best_hit_ratio": round(best, 4),
+        "smallest_bytes_for_95pct_of_best": enough,
+        "curve": [{"bytes": s, "hit_ratio": round(r, 4)} for s, r in zip(sizes, ratios, strict=True)],
+        **extra,
+    }
+
+
+def profile_report(
+    profile: ReuseProfile, *, now: float, window_s: float, l1_bytes: int, l2: dict[str, Any] | None
+) -> dict[str, Any]:
+    counts, distinct = profile.window(now, window_s)
+    requests = counts.requests
+    distinct = min(distinct, requests)
+    return {
+        "requests": requests,
+        "distinct_keys": distinct,
+        # Share of requests whose input was already used in the window (an unbounded cache's hits).
+        "repeat_ratio": round(1 - distinct / requests, 4) if requests else None,
+        "l1": tier_curve(counts, counts.l1, l1_bytes),
+        "l2": (None if l2 is None
+               else tier_curve(counts, counts.l2, l2["current_bytes"], limit_set=l2["limit_set"])),
+        "sample": {"tracked_keys": profile.tracked(), "rate": round(profile.rate, 6)},
+    }
+
+
+def sizing_report(
+    sampler: KeySampler, *, window_s: float, l1_bytes: int, l2: dict[str, Any] | None
+) -> dict[str, Any]:
+    """`l2`: {"current_bytes", "limit_set"} of Redis, or None without L2. A window longer than
+    the sampler keeps (7 days) is cut to that (`window_s` says so)."""
+    window_s = min(window_s, KEEP_HOURS * HOUR_S)
+    now = sampler.now()
+    profiles = sampler.profiles()
+    args = {"now": now, "window_s": window_s, "l1_bytes": l1_bytes, "l2": l2}
+    return {
+        "window_s": window_s,
+        "tasks": {task: profile_report(p, **args) for task, p in sorted(profiles.items()) if task != OVERALL},
+        "overall": profile_report(profiles[OVERALL], **args),
+        "method": "SHARDS sampled reuse distances (bytes); LRU; a reuse later than the tier's TTL is a miss",
+        # The sampler's own cost: its CPU budget's rate, uses dropped on a full queue, CPU seconds.
+        "sampler": asdict(sampler.stats()),
+    }

@@ -1,0 +1,148 @@
+"""The cache generation ("cache version"): an operator-controlled integer in every key.
+
+With Redis it lives under one key (the only key without a TTL) and a background
+watcher re-reads it every `refresh_s`, so a bump by any replica reaches every
+other within about that delay. Without Redis it is a local integer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from engine.errors import CacheUnavailableError
+from storage.redis.store import RedisStore
+
+log = logging.getLogger(__name__)
+
+GenerationListener = Callable[[int, int], None]
+
+# Atomically: the key becomes at least ARGV[1]; returns its value. Idempotent, so replicas
+# that notice the loss at once agree, and a bump (INCR) racing it only ever adds.
+_RAISE_TO_FLOOR = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local floor = tonumber(ARGV[1])
+if current < floor then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return floor
+end
+return current
+"""
+
+
+def restore_generation_key(store: RedisStore, key: str, seen: int) -> int:
+    """The generation key is the one key without a TTL, yet any eviction policy
+    (`allkeys-lru`, `allkeys-random`...) or a Redis restarted without its data can remove
+    it, and INCR or a plain read would then start again from 0, serving entries a bump had
+    retired. A replica that finds it missing (or lower than it has seen) writes back the
+    highest generation it has seen; returns the value now in Redis."""
+    value = int(store.call(lambda: store.client.eval(_RAISE_TO_FLOOR, 1, key, seen)))
+    if value == seen and seen > 0:  # (absent at 0 is a new deployment's first start)
+        log.warning("the generation key %s was missing or behind; restored to %s", key, seen)
+    return value
+
+
+class _Generation:
+    """The value and its listeners; subclasses decide where the value lives."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+        self._listeners: list[GenerationListener] = []
+
+    @property
+    def current(self) -> int:
+        return self._value
+
+    def subscribe(self, listener: GenerationListener) -> None:
+        self._listeners.append(listener)
+
+    def _set(self, value: int) -> None:
+        # Never backwards: a value read before a bump may arrive after it (a slow poll, a
+        # Redis restarted without its data); the generation only grows.
+        with self._lock:
+            old = self._value
+            if value <= old:
+                return
+            self._value = value
+        log.info("cache generation %s -> %s", old, value)
+        for listener in self._listeners:
+            listener(old, value)
+
+    def observe(self, value: int) -> None:
+        """A value of the shared generation learnt elsewhere (the fleet channel): taken if newer."""
+        self._set(value)
+
+
+class LocalGeneration(_Generation):
+    """Generation for a single process with no shared store."""
+
+    def bump(self) -> int:
+        with self._lock:
+            new = self._value + 1
+        self._set(new)
+        return new
+
+    def close(self) -> None:
+        pass
+
+
+class RedisGeneration(_Generation):
+    """Generation shared through Redis, polled by one owned background thread."""
+
+    def __init__(self, store: RedisStore, *, key: str, refresh_s: float) -> None:
+        super().__init__()
+        self._store = store
+        self._key = key
+        self._refresh_s = refresh_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        try:
+            self.refresh()
+        except CacheUnavailableError:
+            log.warning("Redis unreachable at start-up; generation %s until it answers", self._value)
+        self._thread = threading.Thread(target=self._watch, name="generation-watcher", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> int:
+        """Read the shared value now (raises CacheUnavailableError when Redis is down).
+        A key that vanished (evicted, Redis restarted empty) is written back, never read as 0."""
+        raw = self._store.get(self._key)
+        if raw is None or int(raw) < self._value:
+            self._set(restore_generation_key(self._store, self._key, self._value))
+        else:
+            self._set(int(raw))
+        return self._value
+
+    def bump(self) -> int:
+        """Increment the shared generation; raises CacheUnavailableError if Redis is down,
+        because a bump other replicas cannot see would split the fleet.
+
+        Returns at once: the other replicas learn it from the fleet channel, and the
+        operator's acknowledgement waits for theirs (engine.fleet.member).
+        """
+        new = self._store.incr(self._key)
+        if new <= self._value:  # Redis lost the key: lift it past what this replica saw
+            new = self._store.incr(self._key, self._value - new + 1)
+        self._set(new)
+        return new
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._refresh_s):
+            try:
+                self.refresh()
+            except CacheUnavailableError:
+                pass  # the breaker records it; the watcher doubles as Redis's health probe
+            except Exception:  # keep watching whatever happens; never kill the thread
+                log.exception("generation watcher failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,7 @@
+"""`python -m faults`: see faults/__init__.py."""
+
+import sys
+
+from faults.cli import main
+
+sys.exit(main())
