@@ -2,8 +2,7 @@
 
 storage < engine < admin < api, ui < app.py, runtime.py (the composition root), process_setup.py < bench
 < tests.
-`settings.py` is plain data below them all: anyone may import it, and it imports nothing of ours;
-so is `common/` (small helpers such as common.background's owned thread).
+`settings.py` is plain data below them all: anyone may import it, and it imports nothing of ours.
 Every import counts, including those inside functions and under `if TYPE_CHECKING:`.
 """
 
@@ -20,8 +19,8 @@ SKIPPED_DIRS = {".venv", "data", "test-artifacts", "__pycache__", ".git", "node_
 # A module's floor is its first dotted part's; higher may import lower or equal.
 FLOORS: dict[str, int] = {
     "settings": 0,
-    "common": 0,  # small helpers (an owned background thread) that import nothing of ours
     "settings_reference": 0,  # the settings reference (docs/CONFIGURATION.md), generated
+    "common": 0,  # small helpers that import nothing of ours (the owned background thread)
     "storage": 1,
     "engine": 2,
     "admin": 3,
@@ -33,8 +32,6 @@ FLOORS: dict[str, int] = {
     "bench": 6,
     "tests": 7,
 }
-
-SELF_CONTAINED = {"settings", "common"}  # they import nothing of ours
 
 
 def source_files(root: Path) -> list[Path]:
@@ -71,6 +68,9 @@ def imported_modules(root: Path, path: Path) -> list[tuple[int, str]]:
                 target = node.module or ""
             found.append((node.lineno, target))
     return found
+
+
+SELF_CONTAINED = {"settings", "common"}  # on the lowest floor, and they import nothing of ours
 
 
 def climbing_imports(root: Path) -> list[str]:
@@ -133,8 +133,9 @@ def test_imports_down_and_sideways_pass(tmp_path) -> None:
         tmp_path,
         {
             "storage/x.py": "import redis\nfrom settings import Settings\nfrom storage import y\n",
+            "storage/y.py": "from common.x import B\n",
             "common/x.py": "import threading\nfrom common import y\n",
-            "engine/x.py": "from storage.x import S\nfrom . import y\nfrom common.x import B\n",
+            "engine/x.py": "from storage.x import S\nfrom . import y\n",
             "ui/x.py": "from api import r\nfrom admin.tab import t\nfrom engine.service import E\n",
             "runtime.py": "from admin.service import A\nfrom storage.sql import s\n",
             "tests/t.py": "from runtime import build_runtime\nfrom bench import peers\n",
