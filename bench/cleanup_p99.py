@@ -13,18 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.live_load import FixedTextModel, l2_bench, live_latencies, paired_phases, phase_parser, print_p99s
+from bench.live_load import FixedTextModel, l2_bench, live_latencies, paired_phases, phase_args, print_p99s
 from engine.cleanup import CleanupJob
 
 PREFIX = "bench-cleanup"
 
 
 def main() -> None:
-    parser = phase_parser(
-        __doc__.splitlines()[0], seconds=5.0, rounds=4, rounds_help="baseline/clean-up phase pairs"
-    )
-    parser.add_argument("--old", type=int, default=200_000, help="old entries to delete")
-    args = parser.parse_args()
+    args = phase_args(__doc__.splitlines()[0], seconds=5.0, rounds=4,
+                      rounds_help="baseline/clean-up phase pairs",
+                      count=("--old", 200_000, "old entries to delete"))  # fmt: skip
     with l2_bench(FixedTextModel("v-new"), prefix=PREFIX, maxmemory_mb=1024) as (store, engine):
         client = store.client
         with client.pipeline(transaction=False) as pipe:

@@ -56,14 +56,17 @@ def run_for(workers: list[threading.Thread], seconds: float, stop: threading.Eve
         worker.join()
 
 
-def phase_parser(
-    description: str, *, seconds: float, rounds: int, rounds_help: str
-) -> argparse.ArgumentParser:
-    """The benches' command line: `--seconds` per phase, `--rounds` of phases in turn."""
+def phase_args(
+    description: str, *, seconds: float, rounds: int, rounds_help: str, count: tuple[str, int, str]
+) -> argparse.Namespace:
+    """The benches' command line: `--seconds` per phase, `--rounds` of phases in turn, and one
+    count of their own (`count`: flag, default, help)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seconds", type=float, default=seconds, help="length of each phase")
     parser.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
-    return parser
+    flag, default, help_ = count
+    parser.add_argument(flag, type=int, default=default, help=help_)
+    return parser.parse_args()
 
 
 @contextlib.contextmanager

@@ -16,18 +16,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from bench.live_load import FixedTextModel, l2_bench, live_latencies, paired_phases, phase_parser, print_p99s
+from bench.live_load import FixedTextModel, l2_bench, live_latencies, paired_phases, phase_args, print_p99s
 from engine.warmup import WarmSet
 
 PREFIX = "bench-warmup"
 
 
 def main() -> None:
-    parser = phase_parser(
-        __doc__.splitlines()[0], seconds=3.0, rounds=4, rounds_help="swap, baseline, warm-up rounds"
-    )
-    parser.add_argument("--kept", type=int, default=200, help="hot inputs kept and warmed")
-    args = parser.parse_args()
+    args = phase_args(__doc__.splitlines()[0], seconds=3.0, rounds=4,
+                      rounds_help="swap, baseline, warm-up rounds",
+                      count=("--kept", 200, "hot inputs kept and warmed"))  # fmt: skip
     model = FixedTextModel("v1", forward_s=0.002)
     with l2_bench(model, prefix=PREFIX, maxmemory_mb=256) as (store, engine):
         warm = WarmSet(store, prefix=PREFIX, size=args.kept, ttl_s=3600, engine=engine, flush_s=3600).start()
