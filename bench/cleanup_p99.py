@@ -11,20 +11,18 @@ falls on both sides alike. Prints both p99s and their ratio (the target: at most
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Callable
 
-from bench.live_load import FixedTextModel, l2_bench, live_latencies, phase_parser
+from bench.live_load import FixedTextModel, l2_bench, live_latencies, paired_phases, phase_args, print_p99s
 from engine.lifecycle.cleanup import CleanupJob
 
 PREFIX = "bench-cleanup"
 
 
 def main() -> None:
-    parser = phase_parser(
-        __doc__.splitlines()[0], seconds=5.0, rounds=4, rounds_help="baseline/clean-up phase pairs"
-    )
-    parser.add_argument("--old", type=int, default=200_000, help="old entries to delete")
-    args = parser.parse_args()
+    args = phase_args(__doc__.splitlines()[0], seconds=5.0, rounds=4,
+                      rounds_help="baseline/clean-up phase pairs",
+                      count=("--old", 200_000, "old entries to delete"))  # fmt: skip
     with l2_bench(FixedTextModel("v-new"), prefix=PREFIX, maxmemory_mb=1024) as (store, engine):
         client = store.client
         with client.pipeline(transaction=False) as pipe:
@@ -37,22 +35,19 @@ def main() -> None:
         for text in texts:
             engine.classify("text", text)
         live_latencies(engine, texts, 1.0)  # warm
-        baseline: list[float] = []
-        during: list[float] = []
-        deleted = 0
-        for _ in range(args.rounds):
-            baseline += live_latencies(engine, texts, args.seconds)
-            job = CleanupJob(
-                store, prefix=PREFIX, current=lambda: ({"text": "v-new"}, 0), dry_run=False
-            ).start()
-            during += live_latencies(engine, texts, args.seconds)
-            job.cancel()
-            deleted += job.snapshot()["deleted"]
-        p99_base, p99_during = float(np.percentile(baseline, 99)), float(np.percentile(during, 99))
-        print(f"L2-hit p99 without clean-up: {p99_base:.3f} ms ({len(baseline)} requests)")
-        print(f"L2-hit p99 during clean-up:  {p99_during:.3f} ms ({len(during)} requests; "
-              f"{deleted:,} old entries deleted meanwhile)")  # fmt: skip
-        print(f"ratio: {p99_during / p99_base:.3f} (target <= 1.10)")
+        jobs: list[CleanupJob] = []
+
+        def clean_up(_round: int) -> Callable[[], None]:
+            jobs.append(CleanupJob(store, prefix=PREFIX, current=lambda: ({"text": "v-new"}, 0),
+                                   dry_run=False).start())  # fmt: skip
+            return jobs[-1].cancel
+
+        baseline, during = paired_phases(engine, texts, rounds=args.rounds, seconds=args.seconds,
+                                         background=clean_up)  # fmt: skip
+        deleted = sum(job.snapshot()["deleted"] for job in jobs)
+        print_p99s(baseline, during, without="L2-hit p99 without clean-up: ",
+                   with_="L2-hit p99 during clean-up:  ",
+                   note=f"{deleted:,} old entries deleted meanwhile")  # fmt: skip
 
 
 if __name__ == "__main__":

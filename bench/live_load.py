@@ -10,8 +10,10 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from engine.cache.generation import LocalGeneration
 from engine.inputs import CanonicalText, clean_text
@@ -54,14 +56,17 @@ def run_for(workers: list[threading.Thread], seconds: float, stop: threading.Eve
         worker.join()
 
 
-def phase_parser(
-    description: str, *, seconds: float, rounds: int, rounds_help: str
-) -> argparse.ArgumentParser:
-    """The benches' command line: `--seconds` per phase, `--rounds` of phases in turn."""
+def phase_args(
+    description: str, *, seconds: float, rounds: int, rounds_help: str, count: tuple[str, int, str]
+) -> argparse.Namespace:
+    """The benches' command line: `--seconds` per phase, `--rounds` of phases in turn, and one
+    count of their own (`count`: flag, default, help)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seconds", type=float, default=seconds, help="length of each phase")
     parser.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
-    return parser
+    flag, default, help_ = count
+    parser.add_argument(flag, type=int, default=default, help=help_)
+    return parser.parse_args()
 
 
 @contextlib.contextmanager
@@ -122,3 +127,37 @@ def live_latencies(
     for w in workers:
         w.join()
     return samples
+
+
+def paired_phases(
+    engine: InferenceEngine,
+    texts: list[str],
+    *,
+    rounds: int,
+    seconds: float,
+    background: Callable[[int], Callable[[], None]],
+    prepare: Callable[[int], None] | None = None,
+    pause_s: float = 0.0,
+) -> tuple[list[float], list[float]]:
+    """The benches' measuring loop: `rounds` times, `prepare(round)`, a baseline phase of live
+    load, then the same load while `background(round)` runs (it starts the work and returns what
+    ends the phase). Returns (baseline, during) latencies, each pooled over its rounds, so that
+    drift of a shared machine falls on both sides alike."""
+    baseline: list[float] = []
+    during: list[float] = []
+    for round_ in range(rounds):
+        if prepare is not None:
+            prepare(round_)
+        baseline += live_latencies(engine, texts, seconds, pause_s=pause_s)
+        end = background(round_)
+        during += live_latencies(engine, texts, seconds, pause_s=pause_s)
+        end()
+    return baseline, during
+
+
+def print_p99s(baseline: list[float], during: list[float], *, without: str, with_: str, note: str) -> None:
+    """Both sides' p99, `note` after the second's request count, and their ratio."""
+    p99_base, p99_during = float(np.percentile(baseline, 99)), float(np.percentile(during, 99))
+    print(f"{without}{p99_base:.3f} ms ({len(baseline)} requests)")
+    print(f"{with_}{p99_during:.3f} ms ({len(during)} requests; {note})")
+    print(f"ratio: {p99_during / p99_base:.3f} (target <= 1.10)")

@@ -14,21 +14,18 @@ most 1.10), and how the warm-ups went.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-import numpy as np
-
-from bench.live_load import FixedTextModel, l2_bench, live_latencies, phase_parser
+from bench.live_load import FixedTextModel, l2_bench, live_latencies, paired_phases, phase_args, print_p99s
 from engine.lifecycle.warmup import WarmSet
 
 PREFIX = "bench-warmup"
 
 
 def main() -> None:
-    parser = phase_parser(
-        __doc__.splitlines()[0], seconds=3.0, rounds=4, rounds_help="swap, baseline, warm-up rounds"
-    )
-    parser.add_argument("--kept", type=int, default=200, help="hot inputs kept and warmed")
-    args = parser.parse_args()
+    args = phase_args(__doc__.splitlines()[0], seconds=3.0, rounds=4,
+                      rounds_help="swap, baseline, warm-up rounds",
+                      count=("--kept", 200, "hot inputs kept and warmed"))  # fmt: skip
     model = FixedTextModel("v1", forward_s=0.002)
     with l2_bench(model, prefix=PREFIX, maxmemory_mb=256) as (store, engine):
         warm = WarmSet(store, prefix=PREFIX, size=args.kept, ttl_s=3600, engine=engine, flush_s=3600).start()
@@ -41,34 +38,38 @@ def main() -> None:
                 warm.flush()
             kept = len(warm.stored("text"))
             texts = [f"cached message {n}" for n in range(500)]
-            baseline: list[float] = []
-            during: list[float] = []
             warmed_meanwhile: list[int] = []
             finished: list[str] = []
-            for round_ in range(args.rounds):
+
+            def new_version(round_: int) -> None:
                 # A new version: the kept inputs' entries are missing now; the live ones are cached.
                 engine.replace_model("text", FixedTextModel(f"v{round_ + 2}", forward_s=0.002))
                 for text in texts:
                     engine.classify("text", text)
                 live_latencies(engine, texts, 0.5, pause_s=0.002)  # warm the process
-                baseline += live_latencies(engine, texts, args.seconds, pause_s=0.002)
+
+            def warm_up(_round: int) -> Callable[[], None]:
                 started = time.monotonic()
                 warm.trigger(["text"])
-                during += live_latencies(engine, texts, args.seconds, pause_s=0.002)
-                warmed_meanwhile.append(warm.progress()["done"])
-                while warm.progress()["running"] and time.monotonic() - started < 120:
-                    time.sleep(0.05)
-                done = warm.progress()
-                finished.append(
-                    f"{done['done']}/{done['total']} done, {done['computed']} computed, "
-                    f"{done['failed']} failed, in {time.monotonic() - started:.1f} s"
-                )
-            p99_base, p99_during = float(np.percentile(baseline, 99)), float(np.percentile(during, 99))
-            print(f"live L2-hit p99 without warm-up: {p99_base:.3f} ms ({len(baseline)} requests)")
+
+                def end() -> None:
+                    warmed_meanwhile.append(warm.progress()["done"])
+                    while warm.progress()["running"] and time.monotonic() - started < 120:
+                        time.sleep(0.05)
+                    done = warm.progress()
+                    finished.append(
+                        f"{done['done']}/{done['total']} done, {done['computed']} computed, "
+                        f"{done['failed']} failed, in {time.monotonic() - started:.1f} s"
+                    )
+
+                return end
+
+            baseline, during = paired_phases(engine, texts, rounds=args.rounds, seconds=args.seconds,
+                                             background=warm_up, prepare=new_version, pause_s=0.002)
             meanwhile = "/".join(str(n) for n in warmed_meanwhile)
-            print(f"live L2-hit p99 during warm-up:  {p99_during:.3f} ms ({len(during)} requests; "
-                  f"{meanwhile} of {kept} kept inputs warmed meanwhile per round)")  # fmt: skip
-            print(f"ratio: {p99_during / p99_base:.3f} (target <= 1.10)")
+            print_p99s(baseline, during, without="live L2-hit p99 without warm-up: ",
+                       with_="live L2-hit p99 during warm-up:  ",
+                       note=f"{meanwhile} of {kept} kept inputs warmed meanwhile per round")  # fmt: skip
             for n, line in enumerate(finished, 1):
                 print(f"warm-up {n} finished: {line}")
         finally:

@@ -19,6 +19,7 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from common.background import BackgroundThread
 from storage.sql import RequestRow
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,10 @@ class RequestLogWriter:
         self._failed_batches = 0
         self._pruned = 0
         self._closed = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="request-log-writer", daemon=True)
-        self._thread.start()
+        self._last_prune = 0.0  # monotonic
+        self._worker = BackgroundThread("request-log-writer", self._write_due, period_s=flush_interval_s,
+                                        final=self._drain, logger=log, what="request log writer")  # fmt: skip
+        self._worker.start()
 
     def submit(self, record: Any) -> bool:
         """Queue one record; never blocks. False (and counted) when the queue is full or closed."""
@@ -101,8 +103,7 @@ class RequestLogWriter:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._thread.join(timeout=timeout_s)
+        self._worker.close(timeout_s)  # its last step writes everything queued
 
     # ---- the writer thread -------------------------------------------------
 
@@ -118,23 +119,21 @@ class RequestLogWriter:
             self._in_batch = len(batch)
         return batch
 
-    def _run(self) -> None:
-        last_prune = 0.0
+    def _write_due(self) -> None:
+        self._drain()
+        now = time.monotonic()
+        if now - self._last_prune >= self._prune_every_s:
+            self._last_prune = now
+            self._prune()
+
+    def _drain(self) -> None:
         while True:
-            stopping = self._stop.wait(self._flush_interval_s)
-            while True:
-                batch = self._take_batch()
-                if not batch:
-                    break
-                self._write(batch)
-                with self._lock:
-                    self._in_batch = 0
-            if stopping:
-                return
-            now = time.monotonic()
-            if now - last_prune >= self._prune_every_s:
-                last_prune = now
-                self._prune()
+            batch = self._take_batch()
+            if not batch:
+                break
+            self._write(batch)
+            with self._lock:
+                self._in_batch = 0
 
     def _write(self, records: list[Any]) -> None:
         try:

@@ -9,12 +9,13 @@ package it is unknown (None) and only memory is reported.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from common.background import BackgroundThread
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,7 @@ class DeviceMonitor:
         self._period_s = period_s
         self._reader = reader
         self._trend: deque[tuple[float, list[GpuSample]]] = deque(maxlen=TREND_POINTS)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = BackgroundThread("gpu-monitor", self._sample, period_s=period_s, join_s=5, logger=log)
         self.enabled = False
 
     def start(self) -> DeviceMonitor:
@@ -83,8 +83,7 @@ class DeviceMonitor:
             return self
         self.enabled = True
         self._sample()
-        self._thread = threading.Thread(target=self._run, name="gpu-monitor", daemon=True)
-        self._thread.start()
+        self._worker.start()
         return self
 
     def _sample(self) -> None:
@@ -93,16 +92,9 @@ class DeviceMonitor:
         except Exception:  # telemetry: a failed read leaves a gap in the chart, never a crash
             log.warning("GPU figures could not be read", exc_info=True)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._period_s):
-            self._sample()
-
     def trend(self) -> list[dict[str, Any]]:
         """[{"at": unix s, "gpus": [GpuSample as dict, ...]}, ...], oldest first."""
         return [{"at": at, "gpus": [asdict(s) for s in samples]} for at, samples in list(self._trend)]
 
     def close(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5)
+        self._worker.close()

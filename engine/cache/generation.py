@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from common.background import BackgroundThread
 from engine.errors import CacheUnavailableError
 from storage.redis.store import RedisStore
 
@@ -96,18 +97,19 @@ class RedisGeneration(_Generation):
         self._store = store
         self._key = key
         self._refresh_s = refresh_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # CacheUnavailableError: the breaker records it; the watcher doubles as Redis's health probe.
+        self._watcher = BackgroundThread("generation-watcher", self.refresh, period_s=refresh_s, join_s=5,
+                                         expected=(CacheUnavailableError,), logger=log,
+                                         what="generation watcher")  # fmt: skip
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._watcher.started:
             return
         try:
             self.refresh()
         except CacheUnavailableError:
             log.warning("Redis unreachable at start-up; generation %s until it answers", self._value)
-        self._thread = threading.Thread(target=self._watch, name="generation-watcher", daemon=True)
-        self._thread.start()
+        self._watcher.start()
 
     def refresh(self) -> int:
         """Read the shared value now (raises CacheUnavailableError when Redis is down).
@@ -132,17 +134,5 @@ class RedisGeneration(_Generation):
         self._set(new)
         return new
 
-    def _watch(self) -> None:
-        while not self._stop.wait(self._refresh_s):
-            try:
-                self.refresh()
-            except CacheUnavailableError:
-                pass  # the breaker records it; the watcher doubles as Redis's health probe
-            except Exception:  # keep watching whatever happens; never kill the thread
-                log.exception("generation watcher failed")
-
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._watcher.close()

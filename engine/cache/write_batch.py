@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from common.background import STOP, BackgroundThread
+
 log = logging.getLogger(__name__)
 
 TIMER_JOIN_S = 5.0
@@ -138,27 +140,24 @@ class OverdueWriteTimer:
     def __init__(self, batch: WriteBatch, send: Callable[[list[L2Write]], None]) -> None:
         self._batch = batch
         self._send = send
-        self._thread = threading.Thread(target=self._run, name="l2-write-timer", daemon=True)
-        self._closed = False
+        # join_s: a send in progress ends within a socket timeout
+        self._worker = BackgroundThread("l2-write-timer", self._send_overdue, period_s=0,
+                                        interrupt=batch.stop_timer, join_s=TIMER_JOIN_S, logger=log,
+                                        what="sending overdue L2 writes")  # fmt: skip
 
     def start(self) -> None:
-        self._thread.start()
+        self._worker.start()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._batch.stop_timer()
-        if self._thread.is_alive():
-            self._thread.join(TIMER_JOIN_S)  # a send in progress ends within a socket timeout
+        self._worker.close()
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self._worker.running
 
-    def _run(self) -> None:
-        while (due := self._batch.wait_overdue()) is not None:
-            try:
-                self._send(due)
-            except Exception:  # keep sending whatever happens; never kill the thread
-                log.exception("sending overdue L2 writes failed")
+    def _send_overdue(self) -> object:
+        due = self._batch.wait_overdue()
+        if due is None:
+            return STOP
+        self._send(due)  # a failure is logged and the timer goes on
+        return None

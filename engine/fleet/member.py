@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from common.background import BackgroundThread
 from engine.cache.generation import RedisGeneration
 from engine.cache.l1_gate import GenerationConfirmations
 from engine.errors import CacheUnavailableError
@@ -116,8 +117,10 @@ class FleetMember:
         self._started_at = wall()
         self._epoch = _Epoch()
         self._beat_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # After a failure the loop rests `refresh_s`: it is the fleet's ear, it must stay alive.
+        self._worker = BackgroundThread("fleet-member", self._step, period_s=0, after_error_s=refresh_s,
+                                        join_s=5, logger=log, what="fleet member loop")  # fmt: skip
+        self._next_poll = self._next_beat = 0.0  # the clock's
         self._pubsub: Any = None
         self._subscribe_after = 0.0
         self.missed_caught_up = 0  # epochs caught up from a poll (messages missed)
@@ -126,23 +129,21 @@ class FleetMember:
     # ---- life -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._worker.started:
             return
         self._subscribe()  # before the first poll: nothing published after it is missed
         self._poll()
         self._beat()
         self._count_peers()
-        self._thread = threading.Thread(target=self._run, name="fleet-member", daemon=True)
-        self._thread.start()
+        self._next_poll = self._clock() + self._refresh_s
+        self._next_beat = self._clock() + self._heartbeat_s
+        self._worker.start()
 
     def close(self) -> None:
         """Stop the thread and leave the registry (marked stopped, not lost). Idempotent."""
-        if self._stop.is_set():
+        if self._worker.stopping:
             return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._worker.close()
         self._close_pubsub()
         try:
             self._redis.mark_stopped(self.replica_id, self._record())
@@ -222,30 +223,23 @@ class FleetMember:
 
     # ---- the thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
-        next_poll = self._clock() + self._refresh_s
-        next_beat = self._clock() + self._heartbeat_s
-        while not self._stop.is_set():
-            try:
-                now = self._clock()
-                if self._pubsub is None and now >= self._subscribe_after:
-                    self._subscribe()
-                wait = max(0.0, min(next_poll, next_beat) - now)
-                if self._pubsub is not None:
-                    self._listen(wait)
-                else:
-                    self._stop.wait(wait)
-                now = self._clock()
-                if now >= next_poll:
-                    next_poll = now + self._refresh_s
-                    self._poll()
-                if now >= next_beat:
-                    next_beat = now + self._heartbeat_s
-                    self._beat()
-                    self._count_peers()
-            except Exception:  # keep the member alive whatever happens; it is the fleet's ear
-                log.exception("fleet member loop failed")
-                self._stop.wait(self._refresh_s)
+    def _step(self) -> None:
+        now = self._clock()
+        if self._pubsub is None and now >= self._subscribe_after:
+            self._subscribe()
+        wait = max(0.0, min(self._next_poll, self._next_beat) - now)
+        if self._pubsub is not None:
+            self._listen(wait)
+        else:
+            self._worker.wait(wait)
+        now = self._clock()
+        if now >= self._next_poll:
+            self._next_poll = now + self._refresh_s
+            self._poll()
+        if now >= self._next_beat:
+            self._next_beat = now + self._heartbeat_s
+            self._beat()
+            self._count_peers()
 
     def _subscribe(self) -> None:
         try:
@@ -265,7 +259,7 @@ class FleetMember:
     def _listen(self, wait_s: float) -> None:
         """Messages for up to `wait_s`; a broken connection is dropped and re-made later."""
         deadline = self._clock() + wait_s
-        while not self._stop.is_set():
+        while not self._worker.stopping:
             try:
                 message = self._pubsub.get_message(timeout=max(0.0, min(0.1, deadline - self._clock())))
             except Exception as exc:  # redis errors and a connection closed under us alike

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from common.background import STOP, BackgroundThread
 from engine.cache.keys import DIGEST_PATTERN, LEGACY_DIGEST_PATTERN
 from engine.errors import CacheUnavailableError, InvalidInputError
 from storage.redis.store import RedisStore
@@ -119,11 +120,12 @@ class CleanupJob:
         self._batch = batch
         self.progress = CleanupProgress(dry_run=dry_run)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="l2-cleanup", daemon=True)
+        # One pass (`_run` ends the loop); `final` reports a cancel that came before the first batch.
+        self._worker = BackgroundThread("l2-cleanup", self._run, period_s=0, final=self._unfinished,
+                                        logger=log, what="L2 clean-up")  # fmt: skip
 
     def start(self) -> CleanupJob:
-        self._thread.start()
+        self._worker.start()
         return self
 
     def snapshot(self) -> dict[str, Any]:
@@ -132,23 +134,25 @@ class CleanupJob:
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self._worker.running
 
     def cancel(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=timeout_s)
+        self._worker.stop(timeout_s)
 
-    def _run(self) -> None:
+    def _unfinished(self) -> None:
+        if self.progress.finished_at is None:
+            self._finish("cancelled")
+
+    def _run(self) -> object:
         p = self.progress
         try:
             primaries = self._store.primaries()
             p.primaries = len(primaries)
             for shard in primaries:
                 for keys in self._store.scan_prefix(shard, count=self._batch):
-                    if self._stop.is_set():
+                    if self._worker.stopping:
                         self._finish("cancelled")
-                        return
+                        return STOP
                     started = time.monotonic()
                     now = self._current()
                     doomed = [
@@ -160,7 +164,7 @@ class CleanupJob:
                         p.matched += len(doomed)
                         p.deleted += removed
                     # The rate limit: each batch takes at least its share of a second.
-                    self._stop.wait(max(0.0, len(keys) / self._rate - (time.monotonic() - started)))
+                    self._worker.wait(max(0.0, len(keys) / self._rate - (time.monotonic() - started)))
                 with self._lock:
                     p.primaries_done += 1
             self._finish("done")
@@ -169,6 +173,7 @@ class CleanupJob:
         except Exception as exc:  # reported in the console, never raised into a request
             log.exception("L2 clean-up failed")
             self._finish("failed", type(exc).__name__)
+        return STOP
 
     def _finish(self, state: str, error: str | None = None) -> None:
         with self._lock:

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
+from common.background import BackgroundThread
 from engine.errors import CacheUnavailableError, InvalidInputError, ModelError
 from engine.models.base import Classifier, takes_image
 from storage.redis.store import RedisStore
@@ -132,9 +133,12 @@ class WarmSet:
         self._kept: set[tuple[str, str]] = set()  # inputs in Redis at the last flush: not held again
         self._pending: set[str] = set()  # tasks to warm
         self._progress = WarmProgress()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._next_flush = 0.0  # monotonic
+        self._worker = BackgroundThread(
+            "warm-set", self._tick, period_s=lambda: max(0.0, self._next_flush - time.monotonic()),
+            final=lambda: self._safely(self.flush, "flush"),  # the counts of the last seconds
+            join_s=10, logger=log, what="warm set",
+        )  # fmt: skip
 
     # ---- keys (hash tag {task}: one slot per task) ---------------------------
 
@@ -169,25 +173,21 @@ class WarmSet:
     # ---- life cycle ----------------------------------------------------------
 
     def start(self) -> WarmSet:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="warm-set", daemon=True)
-            self._thread.start()
+        if not self._worker.started:
+            self._next_flush = time.monotonic() + self._flush_s
+            self._worker.start()
         return self
 
     def close(self) -> None:
         """Stop the thread (a warm-up in progress stops between two inputs); idempotent."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._worker.close()
 
     def trigger(self, tasks: Iterable[str]) -> None:
         """Warm these tasks soon (a swap, a bump); returns at once."""
         with self._lock:
             self._pending.update(tasks)
             self._progress.running = True  # reported at once: the operator sees it coming
-        self._wake.set()
+        self._worker.wake()
 
     def progress(self) -> dict[str, Any]:
         with self._lock:
@@ -202,21 +202,14 @@ class WarmSet:
         raw = self._store.call(lambda: self._store.client.hgetall(key), key=key)
         return {k.decode(): v for k, v in raw.items()}
 
-    def _run(self) -> None:
-        next_flush = time.monotonic() + self._flush_s
-        while not self._stop.is_set():
-            self._wake.wait(max(0.0, next_flush - time.monotonic()))
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            if time.monotonic() >= next_flush:
-                next_flush = time.monotonic() + self._flush_s
-                self._safely(self.flush, "flush")
-            with self._lock:
-                tasks, self._pending = sorted(self._pending), set()
-            if tasks:
-                self._safely(lambda t=tasks: self.warm_now(t), "warm-up")  # type: ignore[misc]
-        self._safely(self.flush, "flush")  # the counts of the last seconds
+    def _tick(self) -> None:
+        if time.monotonic() >= self._next_flush:
+            self._next_flush = time.monotonic() + self._flush_s
+            self._safely(self.flush, "flush")
+        with self._lock:
+            tasks, self._pending = sorted(self._pending), set()
+        if tasks:
+            self._safely(lambda t=tasks: self.warm_now(t), "warm-up")  # type: ignore[misc]
 
     def _safely(self, work: Callable[[], Any], what: str) -> None:
         try:
@@ -313,7 +306,7 @@ class WarmSet:
             self._progress.total = len(work)
         interval = 1.0 / self._rate if self._rate > 0 else 0.0
         for task, value in work:
-            if self._stop.is_set():
+            if self._worker.stopping:
                 self._finish("stopped")
                 return self.progress()
             started = time.monotonic()
@@ -322,7 +315,7 @@ class WarmSet:
                 self._progress.done += outcome != "failed"
                 self._progress.failed += outcome == "failed"
                 self._progress.computed += outcome == "miss"
-            self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
+            self._worker.wait(max(0.0, interval - (time.monotonic() - started)))
         self._finish(None)
         log.info("warm-up of %s: %s", ",".join(tasks), self.progress())
         return self.progress()
@@ -330,7 +323,7 @@ class WarmSet:
     def _warm_one(self, task: str, value: bytes) -> str:
         deadline = time.monotonic() + MAX_IDLE_WAIT_S
         while not self._engine.idle():  # live requests first: wait for a quiet moment
-            if time.monotonic() >= deadline or self._stop.wait(IDLE_POLL_S):
+            if time.monotonic() >= deadline or self._worker.wait(IDLE_POLL_S):
                 return "failed"
         try:
             return self._engine.warm(task, self._replayed(value))

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from common.background import BackgroundThread
 from engine.errors import CacheUnavailableError
 from engine.lifecycle.warmup import stored_form
 from engine.models.base import Classifier, Prediction, takes_image
@@ -145,9 +146,10 @@ class HardExamples:
         self._credit_cap_s = max(BURST_S, initial_credit_s)  # what a quiet period can save up
         self._credit_s = initial_credit_s  # CPU seconds the flushes may still spend
         self._unit_cost_s: dict[str, float] = {}  # per task: the last flush's CPU per new example
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = BackgroundThread("hard-examples", self.flush, period_s=flush_s, final=self.flush,
+                                        join_s=10, expected=(CacheUnavailableError,),
+                                        on_expected=self._flush_skipped, logger=log,
+                                        what="hard examples flush")  # fmt: skip
 
     # ---- the request path ----------------------------------------------------
 
@@ -214,38 +216,21 @@ class HardExamples:
     # ---- life cycle ----------------------------------------------------------
 
     def start(self) -> HardExamples:
-        if self._thread is None:
+        if not self._worker.started:
             try:  # ids kept by the fleet before this replica started: their asks count too
                 self.refresh_kept()
             except CacheUnavailableError as exc:
                 log.warning("hard examples: Redis did not answer at start-up (%s)", exc)
-            self._thread = threading.Thread(target=self._run, name="hard-examples", daemon=True)
-            self._thread.start()
+            self._worker.start()
         return self
 
     def close(self) -> None:
         """Stop the thread after a last flush; idempotent."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._worker.close()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self._flush_s)
-            self._wake.clear()
-            self._safe_flush()
-        self._safe_flush()
-
-    def _safe_flush(self) -> None:
-        try:
-            self.flush()
-        except CacheUnavailableError as exc:
-            self._counters.redis_errors += 1
-            log.warning("hard examples flush skipped: Redis did not answer (%s)", exc)
-        except Exception:  # never kill the thread
-            log.exception("hard examples flush failed")
+    def _flush_skipped(self, exc: Exception) -> None:
+        self._counters.redis_errors += 1
+        log.warning("hard examples flush skipped: Redis did not answer (%s)", exc)
 
     def counters(self) -> dict[str, Any]:
         with self._lock:

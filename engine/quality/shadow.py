@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.background import STOP, BackgroundThread
 from engine.cache.codec import CachedResult
 from engine.models.base import Classifier, Prediction
 
@@ -116,8 +117,9 @@ class ShadowVerifier:
         self._lock = threading.Lock()
         self._stats = ShadowStats(rate=rate)
         self._recent: deque[Mismatch] = deque(maxlen=RECENT_MISMATCHES)
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._worker = BackgroundThread("shadow-verifier", self._work_one, period_s=0,
+                                        interrupt=self._unblock, join_s=10, logger=log,
+                                        what="shadow verifier")  # fmt: skip
         self._processed = 0  # samples taken off the queue and checked or dropped
         self._done = threading.Condition(self._lock)  # tests and the fault suite wait on it
         self._mismatch_listeners: list[Callable[..., Any]] = []  # add_mismatch_listener
@@ -140,19 +142,16 @@ class ShadowVerifier:
     # ---- lifecycle ----------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="shadow-verifier", daemon=True)
-            self._thread.start()
+        self._worker.start()
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            try:
-                self._queue.put_nowait(None)  # wake the worker
-            except queue.Full:
-                pass
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._worker.close()
+
+    def _unblock(self) -> None:
+        try:
+            self._queue.put_nowait(None)  # wake the worker
+        except queue.Full:
+            pass
 
     def stats(self) -> ShadowStats:
         with self._lock:
@@ -174,27 +173,27 @@ class ShadowVerifier:
 
     # ---- the worker ---------------------------------------------------------
 
-    def _work(self) -> None:
-        while not self._stop.is_set():
-            sample = self._queue.get()
-            if sample is None or self._stop.is_set():
-                return
-            try:
-                if not self._wait_idle():
-                    self._count_dropped()
-                else:
-                    self._check(sample)
-            except Exception:  # never kill the thread; a failed check is not a mismatch
-                log.exception("shadow check of %s failed", sample.key)
+    def _work_one(self) -> object:
+        sample = self._queue.get()
+        if sample is None or self._worker.stopping:
+            return STOP
+        try:
+            if not self._wait_idle():
                 self._count_dropped()
-            with self._done:
-                self._processed += 1
-                self._done.notify_all()
+            else:
+                self._check(sample)
+        except Exception:  # never kill the thread; a failed check is not a mismatch
+            log.exception("shadow check of %s failed", sample.key)
+            self._count_dropped()
+        with self._done:
+            self._processed += 1
+            self._done.notify_all()
+        return None
 
     def _wait_idle(self) -> bool:
         deadline = time.monotonic() + MAX_IDLE_WAIT_S
         while not self._idle():
-            if self._stop.wait(IDLE_POLL_S) or time.monotonic() > deadline:
+            if self._worker.wait(IDLE_POLL_S) or time.monotonic() > deadline:
                 return False
         return True
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.background import BackgroundThread
 from engine.sizing.budget import CpuBudget
 
 HASH_SPACE = 1 << 32
@@ -349,8 +350,8 @@ class KeySampler:
         self._overflow: dict[str, float] = {}  # task -> weight of queued uses dropped, not counted
         self._overflow_lock = threading.Lock()  # taken only on a full queue
         self._drain_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = BackgroundThread("key-sampler", self.drain, period_s=period_s, join_s=5, logger=log,
+                                        what="key sampler drain")  # fmt: skip
         self._applied = 0
         self._cpu_s = 0.0
         self.dropped = 0
@@ -460,20 +461,12 @@ class KeySampler:
         self._gate = cap
 
     def start(self) -> KeySampler:
-        self._thread = threading.Thread(target=self._run, name="key-sampler", daemon=True)
-        self._thread.start()
+        self._worker.start()
         return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period_s):
-            self.drain()
 
     def close(self) -> None:
         """Stop the thread (idempotent); what is still queued is dropped."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5)
+        self._worker.close()
         self._queue.clear()
 
     def profiles(self) -> dict[str, ReuseProfile]:

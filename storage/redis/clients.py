@@ -9,7 +9,6 @@ is down.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import redis
@@ -18,6 +17,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
+from common.background import BackgroundThread
 from settings import RedisTarget, parse_redis_url
 from storage.redis.cluster import ClusterNodes, OneNode
 
@@ -150,26 +150,20 @@ class SentinelPrimary(OneNode):
     def __init__(self, client: redis.Redis, sentinel: Sentinel, *, name: str) -> None:
         super().__init__(client, name=name)
         self._sentinel = sentinel
-        self._stop = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name="sentinel-watcher", daemon=True)
-        self._watcher.start()
+        # redis.RedisError: Sentinels unreachable; keep the current primary, its breaker judges it.
+        self._watcher = BackgroundThread("sentinel-watcher", self._check, period_s=SENTINEL_CHECK_S, join_s=5,
+                                         expected=(redis.RedisError,), logger=log,
+                                         what="Sentinel watcher").start()  # fmt: skip
 
-    def _watch(self) -> None:
+    def _check(self) -> None:
         pool = self._client.connection_pool
-        while not self._stop.wait(SENTINEL_CHECK_S):
-            try:
-                before = pool.master_address  # type: ignore[attr-defined]
-                now = pool.get_master_address()  # type: ignore[attr-defined]
-                if before is not None and now != before:
-                    log.warning("Sentinel: the %s moved from %s to %s", self.name, before, now)
-            except redis.RedisError:
-                pass  # Sentinels unreachable: keep the current primary; its breaker judges it
-            except Exception:  # never let the watcher die
-                log.exception("Sentinel watcher failed")
+        before = pool.master_address  # type: ignore[attr-defined]
+        now = pool.get_master_address()  # type: ignore[attr-defined]
+        if before is not None and now != before:
+            log.warning("Sentinel: the %s moved from %s to %s", self.name, before, now)
 
     def close(self) -> None:
-        self._stop.set()
-        self._watcher.join(timeout=5)
+        self._watcher.close()
         super().close()
         for client in self._sentinel.sentinels:
             client.close()
