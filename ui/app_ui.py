@@ -281,7 +281,7 @@ def live_stats_text(engine: InferenceEngine) -> str:
     return (
         f"**This process:** {answered:,} answers, hit rate {rate} "
         f"(memory {counters.hits_l1:,} · Redis {counters.hits_l2:,} · joined {counters.coalesced:,} "
-        f"· computed {counters.misses:,}) · cache generation {engine.cache.generation}"
+        f"· computed {counters.misses:,}) · cache generation {engine.generation}"
     )
 
 
