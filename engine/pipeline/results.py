@@ -9,24 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from engine.cache.policy import CachePolicy, FlushResult  # noqa: F401 (re-exported)
 from engine.models.base import Prediction
 
 
 class ProbeMiss(Exception):
     """Raised in probe mode when the answer is not already cached (go to the queue)."""
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    prefix: str
-    l1_ttl_s: float
-    l2_ttl_s: int
-    negative_ttl_s: int
-
-    @property
-    def meta_prefix(self) -> str:
-        """Keys under this prefix are bookkeeping (the generation), never flushed."""
-        return f"{self.prefix}:meta:"
 
 
 @dataclass(slots=True)  # not frozen: built on every request, and frozen init is slow
@@ -89,14 +77,6 @@ class EngineCounters:
     model_seconds: dict[str, float] = field(default_factory=dict)
     # task -> inputs per forward pass -> passes (1 for models that do not batch)
     batch_sizes: dict[str, dict[int, int]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class FlushResult:
-    tier: str
-    l1_removed: int
-    l2_removed: int | None  # None when there is no L2 or it could not be reached
-    l2_error: str | None = None
 
 
 RequestListener = Callable[[RequestRecord], None]

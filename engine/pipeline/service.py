@@ -16,30 +16,17 @@ from dataclasses import asdict
 from functools import partial
 from typing import Any
 
-from engine.cache.codec import (
-    CachedAlias,
-    CachedRejection,
-    CachedResult,
-    CachedValue,
-    ForgedValue,
-    UndecodableValue,
-    ValueCodec,
-)
+from engine.cache.codec import CachedAlias, CachedRejection, CachedResult, ValueCodec
 from engine.cache.entries import EntryReport, EvictResult, entry_key, inspect_entry
 from engine.cache.generation import LocalGeneration, RedisGeneration
 from engine.cache.keys import CacheKey, digest_parts, raw_digest
 from engine.cache.singleflight import SingleFlight
-from engine.cache.write_batch import L2Write, OverdueWriteTimer, WriteBatch
+from engine.cache.tiers import CacheTiers, L2Budget
+from engine.cache.write_batch import L2Write
 from engine.capacity.admission import ContendedShare
 from engine.capacity.fairness import MissBudget
 from engine.capacity.passes import ModelPasses
-from engine.errors import (
-    CacheSkippedError,
-    CacheUnavailableError,
-    InvalidInputError,
-    ModelError,
-    OverBudgetError,
-)
+from engine.errors import InvalidInputError, ModelError, OverBudgetError
 from engine.fleet.flight import FleetFlight
 from engine.models.base import Classifier, model_state
 from engine.pipeline.request_events import RequestEvents
@@ -57,23 +44,6 @@ from storage.memory import MemoryStore
 from storage.redis.store import RedisStore
 
 log = logging.getLogger(__name__)
-
-# How long an L2 write may wait for another request's round trip (see engine.cache.write_batch).
-L2_WRITE_DELAY_S = 0.05
-
-
-
-
-class _L2Budget:
-    """Per request: after one L2 failure, skip L2 for the rest of the request, so a
-    slow or dead Redis costs a request at most one socket timeout. A cluster primary
-    skipped by its open breaker (CacheSkippedError) cost nothing and spends nothing."""
-
-    __slots__ = ("available",)
-
-    def __init__(self, available: bool) -> None:
-        self.available = available
-
 
 class InferenceEngine:
     """Classifies through the tiered cache. Thread-safe; one per process."""
@@ -110,6 +80,7 @@ class InferenceEngine:
         self._swap_lock = threading.Lock()
         self._l1 = l1
         self._l2 = l2
+        self._tiers = CacheTiers(l1=l1, l2=l2, codec=self._codec, policy=policy, count=self._count)
         self._generation = generation
         self._policy = policy
         self._l2_notice = l2_notice
@@ -123,13 +94,6 @@ class InferenceEngine:
         self._counter_lock = threading.Lock()
         self._events = RequestEvents(clock)  # request records for the log, metrics, console
         self._key_observer: Callable[[str, str, Any], None] | None = None  # (task, key, value): sizing
-        self._writes = WriteBatch(max_delay_s=L2_WRITE_DELAY_S)
-        # Sends waiting writes that no request carried within L2_WRITE_DELAY_S; close() stops it.
-        self._write_timer = OverdueWriteTimer(
-            self._writes, lambda due: self._send_writes(due, _L2Budget(available=True))
-        )
-        if l2 is not None:
-            self._write_timer.start()
         # Entries of an old generation can never be read again: free their memory.
         generation.subscribe(lambda _old, _new: self._l1.clear())
         # A sample of hits recomputed off the request path while no request is inside.
@@ -137,7 +101,7 @@ class InferenceEngine:
         if shadow_sample_rate > 0:
             self._shadow = ShadowVerifier(
                 rate=shadow_sample_rate, model_for=lambda task: self._models.get(task), evict=self.evict,
-                idle=lambda: self._writes.in_flight == 0,
+                idle=self.idle,
             )  # fmt: skip
             self._shadow.start()
 
@@ -189,8 +153,8 @@ class InferenceEngine:
         if model is None:
             raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
         generation = self._generation.current
-        budget = _L2Budget(self._l2 is not None)
-        self._writes.enter()
+        budget = self._tiers.budget()
+        self._tiers.enter()
         try:
             result = self._classify(task, model, raw, generation, probe, started, budget, client=client)
         except ProbeMiss:
@@ -219,9 +183,7 @@ class InferenceEngine:
             log.exception("unexpected failure classifying %s input", task)
             raise ModelError("The model failed on this input. Please try again.") from exc
         finally:
-            due = self._writes.leave()
-            if due:
-                self._send_writes(due, budget)
+            self._tiers.leave(budget)
         self._answered(task, result, raw, route, client)
         return result
 
@@ -232,20 +194,18 @@ class InferenceEngine:
         model = self._models.get(task)
         if model is None:
             raise InvalidInputError("unknown_task", f"Unknown task {task!r}.")
-        budget = _L2Budget(self._l2 is not None)
-        self._writes.enter()
+        budget = self._tiers.budget()
+        self._tiers.enter()
         try:
             result = self._classify(task, model, raw, self._generation.current, False, time.perf_counter(),
                                     budget, quiet=True)  # fmt: skip
         finally:
-            due = self._writes.leave()
-            if due:
-                self._send_writes(due, budget)
+            self._tiers.leave(budget)
         return result.tier
 
     def idle(self) -> bool:
         """Whether no request is inside the engine now (background work waits for this)."""
-        return self._writes.in_flight == 0
+        return self._tiers.in_flight == 0
 
     def attach_warm_set(self, warm_set: Any) -> None:
         """engine.lifecycle.warmup.WarmSet: every answered request is noted (its key and raw input)."""
@@ -270,7 +230,7 @@ class InferenceEngine:
         # An unavailable budget keeps every lookup in L1; a probe never writes L2, so the
         # write batch (whose last request out sends the waiting writes) is not entered.
         try:
-            result = self._classify(task, model, raw, generation, True, started, _L2Budget(False))
+            result = self._classify(task, model, raw, generation, True, started, L2Budget(False))
         except (ProbeMiss, InvalidInputError):
             return None
         self._answered(task, result, raw, route, client)
@@ -280,10 +240,7 @@ class InferenceEngine:
         """Stop the write timer and send the L2 writes still waiting (before the store closes)."""
         if self._shadow is not None:
             self._shadow.close()
-        self._write_timer.close()
-        waiting = self._writes.take()
-        if waiting:
-            self._send_writes(waiting, _L2Budget(self._l2 is not None))
+        self._tiers.close()
 
     def bump_generation(self) -> int:
         """Make every cached entry unreachable at once (all replicas sharing the Redis)."""
@@ -291,22 +248,7 @@ class InferenceEngine:
 
     def flush(self, tier: str) -> FlushResult:
         """Remove cached entries: tier is "l1", "l2" or "all". Scoped to this app's prefix."""
-        if tier not in ("l1", "l2", "all"):
-            raise InvalidInputError("bad_tier", "tier must be 'l1', 'l2' or 'all'")
-        l1_removed = self._l1.clear() if tier in ("l1", "all") else 0
-        l2_removed: int | None = None
-        l2_error = None
-        if tier in ("l2", "all"):
-            self._writes.discard()  # computed before the flush: they must not land after it
-            if self._l2 is None:
-                l2_error = "L2 is disabled"
-            else:
-                try:
-                    l2_removed = self._l2.clear(keep_prefix=self._policy.meta_prefix)
-                except CacheUnavailableError as exc:
-                    l2_error = str(exc)
-        log.info("flush %s: l1=%s l2=%s %s", tier, l1_removed, l2_removed, l2_error or "")
-        return FlushResult(tier, l1_removed, l2_removed, l2_error)
+        return self._tiers.flush(tier)
 
     def entry_key(self, task: str, raw: Any) -> str:
         """The canonical key a request for `raw` would use now (raises InvalidInputError)."""
@@ -329,14 +271,7 @@ class InferenceEngine:
     def evict(self, key: str) -> EvictResult:
         """Remove one entry from this replica's L1 and from L2. The one place an eviction
         happens (operator, shadow verification): a fleet-wide L1 eviction hooks in here."""
-        removed_l1 = self._l1.delete(key)
-        removed_l2: bool | None = None
-        error = None
-        if self._l2 is not None:
-            try:
-                removed_l2 = self._l2.delete(key)
-            except CacheUnavailableError as exc:
-                error = str(exc)
+        removed_l1, removed_l2, error = self._tiers.delete(key)
         if self._fleet is not None:  # every other replica's L1 too (not waited for here)
             self._fleet.broadcast_l1({"op": "evict", "keys": [key]}, wait=False)
         log.warning("evicted %s: l1=%s l2=%s %s", key, removed_l1, removed_l2, error or "")
@@ -354,21 +289,12 @@ class InferenceEngine:
 
     def cache_state(self) -> dict[str, Any]:
         """Live state for the UI, /readyz and the console."""
-        mem = self._l1.stats()
-        state: dict[str, Any] = {
-            "generation": self._generation.current,
-            "l1": {"entries": mem.entries, "bytes": mem.bytes, "max_bytes": mem.max_bytes,
-                   "evictions": mem.evictions},
+        tiers = self._tiers.state(self._l2_notice)
+        return {
+            "generation": self._generation.current, "l1": tiers["l1"],
             "models": {t: model_state(m) for t, m in self._models.items()},
-            "batches": self.batch_summary(),
+            "batches": self.batch_summary(), "l2": tiers["l2"],
         }  # fmt: skip
-        if self._l2 is None:
-            state["l2"] = {"state": "disabled", "breaker": None, "notice": self._l2_notice}
-        else:
-            l2 = self._l2.stats()
-            state["l2"] = {"state": l2.state, "breaker": l2.breaker, "failures": l2.failures,
-                           "notice": self._l2_notice}  # fmt: skip
-        return state
 
     def batch_summary(self) -> dict[str, dict[str, Any]]:
         """Per task: forward passes so far, inputs per pass (mean, largest), and the limits."""
@@ -395,9 +321,7 @@ class InferenceEngine:
     def drop_local(self, tier: str) -> int:
         """A flush made through another replica, applied here: this process's L1 (tiers
         l1, all) and its L2 writes still waiting (l2, all), which must not land after it."""
-        if tier in ("l2", "all"):
-            self._writes.discard()
-        return self._l1.clear() if tier in ("l1", "all") else 0
+        return self._tiers.drop_local(tier)
 
     def evict_local(self, keys: list[str]) -> int:
         return sum(self._l1.delete(key) for key in keys)
@@ -443,7 +367,7 @@ class InferenceEngine:
         generation: int,
         probe: bool,
         started: float,
-        budget: _L2Budget,
+        budget: L2Budget,
         *,
         quiet: bool = False,  # a warm-up's request: no hit/miss counted, no shadow sample
         client: str | None = None,
@@ -455,7 +379,7 @@ class InferenceEngine:
         # Redis round trips an alias would add to every miss and one to every L2 hit.
         cheap = getattr(model, "cheap_canonicalize", False)
         alias_budget = None if cheap else budget
-        remembered, _ = self._lookup(raw_key, (CachedAlias, CachedRejection), alias_budget)
+        remembered, _ = self._tiers.lookup(raw_key, (CachedAlias, CachedRejection), alias_budget)
         canonical = None
         pending_alias: L2Write | None = None
         if isinstance(remembered, CachedRejection):
@@ -476,7 +400,7 @@ class InferenceEngine:
             else:
                 canonical = self._canonicalize(model, raw, raw_key, alias_budget)
             digest = digest_parts(canonical.fingerprint_parts())
-            blob = self._store(
+            blob = self._tiers.store(
                 raw_key, CachedAlias(digest), self._policy.l2_ttl_s, self._policy.l1_ttl_s, None
             )
             if alias_budget is not None:
@@ -486,7 +410,7 @@ class InferenceEngine:
         key = str(CacheKey(self._policy.prefix, task, model.version, generation, digest))
         # Outside probe mode L2 is read inside the flight, so N concurrent misses cost
         # one Redis read; a probe has no flight and must look at L2 itself.
-        cached, tier = self._lookup(key, (CachedResult,), budget if probe else None)
+        cached, tier = self._tiers.lookup(key, (CachedResult,), budget if probe else None)
         if cached is None:
             if probe:
                 raise ProbeMiss()
@@ -510,7 +434,7 @@ class InferenceEngine:
         else:
             model_ms = None
         if pending_alias is not None and not pending_alias.sent:
-            self._write_l2([pending_alias], budget)
+            self._tiers.write_l2([pending_alias], budget)
         if not quiet:  # a warm-up's request is neither sampled nor counted as a hit or a miss
             if self._shadow is not None and tier in ("l1", "l2"):
                 self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
@@ -533,14 +457,14 @@ class InferenceEngine:
             backend=getattr(model, "backend", "torch"),
         )
 
-    def _canonicalize(self, model: Classifier, raw: Any, raw_key: str, budget: _L2Budget | None) -> Any:
+    def _canonicalize(self, model: Classifier, raw: Any, raw_key: str, budget: L2Budget | None) -> Any:
         try:
             return model.canonicalize(raw)
         except InvalidInputError as exc:
             # Remember the rejection briefly: a repeat costs a lookup, not a decode.
             rejection = CachedRejection(exc.code, exc.message, self._clock())
             ttl = self._policy.negative_ttl_s
-            self._store(raw_key, rejection, ttl, min(float(ttl), self._policy.l1_ttl_s), budget)
+            self._tiers.store(raw_key, rejection, ttl, min(float(ttl), self._policy.l1_ttl_s), budget)
             raise
 
     def _compute(
@@ -548,13 +472,13 @@ class InferenceEngine:
         key: str,
         model: Classifier,
         canonical_input: Callable[[], Any],
-        budget: _L2Budget,
+        budget: L2Budget,
         pending_alias: L2Write | None,
         client: str | None = None,
     ) -> tuple[CachedResult, str, float | None]:
         task = model.task
         # Inside the flight: another flight for this key may have just filled L1.
-        cached, tier = self._lookup(key, (CachedResult,), budget)
+        cached, tier = self._tiers.lookup(key, (CachedResult,), budget)
         if cached is not None:
             return cached, tier, None  # type: ignore[return-value]
         # A real miss: admitted (the client's budget; engine.capacity.admission) until its pass is done.
@@ -562,7 +486,7 @@ class InferenceEngine:
             turn = None
             if self._fleet_flight is not None and budget.available and self._l2 is not None:
                 turn = self._fleet_flight.take_turn(
-                    model.task, key, look=lambda: self._lookup(key, (CachedResult,), budget)[0],
+                    model.task, key, look=lambda: self._tiers.lookup(key, (CachedResult,), budget)[0],
                     usable=lambda: budget.available,
                 )  # fmt: skip
                 if turn.found is not None:  # computed by another replica meanwhile
@@ -588,82 +512,11 @@ class InferenceEngine:
                 turn.succeeded()
             result = CachedResult(prediction, model.version, self._clock())
             l2_ttl_s = getattr(model, "ttl_s", None) or self._policy.l2_ttl_s  # MODELS_CONFIG's ttl_s
-            blob = self._store(key, result, l2_ttl_s, min(self._policy.l1_ttl_s, float(l2_ttl_s)), None)
+            blob = self._tiers.store(key, result, l2_ttl_s, min(self._policy.l1_ttl_s, float(l2_ttl_s)), None)
             # The result first: a replica that finds the alias then finds what it points to.
             result_write = L2Write(key, blob, l2_ttl_s)
-            self._write_l2([result_write] + ([pending_alias] if pending_alias else []), budget)
+            self._tiers.write_l2([result_write] + ([pending_alias] if pending_alias else []), budget)
             return result, "miss", elapsed * 1000.0
-
-    def _lookup(
-        self, key: str, expected: tuple[type, ...], budget: _L2Budget | None
-    ) -> tuple[CachedValue | None, str]:
-        """L1, then (when `budget` allows) L2 with promotion into L1."""
-        value = self._l1.get(key)
-        if value is not None:
-            return value, "l1"
-        if budget is None or not budget.available or self._l2 is None:
-            return None, "miss"
-        waiting = self._writes.take()  # they ride along with this read
-        try:
-            raw, refused = self._l2.get_after_writes([w.item() for w in waiting], key)
-        except CacheUnavailableError as exc:
-            budget.available = isinstance(exc, CacheSkippedError)
-            self._count("l2_errors")
-            return None, "miss"
-        if refused:
-            self._count("l2_errors", refused)
-        if raw is None:
-            return None, "miss"
-        try:
-            value = self._codec.decode(raw, key=key)
-            if not isinstance(value, expected):
-                raise UndecodableValue(f"{type(value).__name__} under a {expected[0].__name__} key")
-        except UndecodableValue as exc:
-            forged = isinstance(exc, ForgedValue)
-            log.warning("deleting %s L2 value at %s: %s", "forged" if forged else "undecodable", key, exc)
-            self._count("forged_values" if forged else "corrupt_values")
-            try:
-                self._l2.delete(key)
-            except CacheUnavailableError:
-                budget.available = False
-                self._count("l2_errors")
-            return None, "miss"
-        self._l1.set(key, value, size=len(raw) + len(key), ttl_s=self._l1_ttl_for(value))
-        return value, "l2"
-
-    def _l1_ttl_for(self, value: CachedValue) -> float:
-        if isinstance(value, CachedRejection):
-            return min(float(self._policy.negative_ttl_s), self._policy.l1_ttl_s)
-        return self._policy.l1_ttl_s
-
-    def _store(
-        self, key: str, value: CachedValue, l2_ttl_s: int, l1_ttl_s: float, budget: _L2Budget | None
-    ) -> bytes:
-        """L1, and L2 unless `budget` is None (L1 only) or spent; returns the encoded value."""
-        blob = self._codec.encode(value, key=key)
-        self._l1.set(key, value, size=len(blob) + len(key), ttl_s=l1_ttl_s)
-        if budget is not None:
-            self._write_l2([L2Write(key, blob, l2_ttl_s)], budget)
-        return blob
-
-    def _write_l2(self, writes: list[L2Write], budget: _L2Budget) -> None:
-        """Values already in L1, to L2: now in one round trip, or with another request's."""
-        if self._l2 is None or not budget.available:
-            return
-        for write in writes:
-            write.sent = True
-        due = self._writes.add(writes)
-        if due:
-            self._send_writes(due, budget)
-
-    def _send_writes(self, writes: list[L2Write], budget: _L2Budget) -> None:
-        if self._l2 is None or not budget.available:
-            return  # dropped: a cache write is never worth a second timeout
-        try:
-            self._l2.set_many([w.item() for w in writes])
-        except CacheUnavailableError as exc:
-            budget.available = isinstance(exc, CacheSkippedError)
-            self._count("l2_errors")
 
     # ---- bookkeeping ------------------------------------------------------
 
