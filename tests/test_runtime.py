@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,25 +17,25 @@ from tests.conftest import CountingTextModel
 class TestSettings:
     def test_defaults(self) -> None:
         settings = Settings.from_env({})
-        assert settings.port == 7860 and settings.device == "auto"
-        assert settings.redis_url is None and settings.data_dir == Path("data")
+        assert settings.server.port == 7860 and settings.models.device == "auto"
+        assert settings.redis.url is None and settings.server.data_dir == Path("data")
         assert settings.effective_database_url == "sqlite:///data/requests.sqlite3"
-        assert settings.cache_l1_max_bytes == 256 * 1024 * 1024
+        assert settings.cache.l1_max_bytes == 256 * 1024 * 1024
 
     def test_reads_each_variable(self) -> None:
         settings = Settings.from_env(
             {"PORT": "8000", "DEVICE": "CPU", "REDIS_URL": "OFF", "DATA_DIR": "/tmp/x",
              "CACHE_L1_MAX_BYTES": "1024", "CACHE_TTL_S": "5", "ADMIN_TOKEN": " secret-token "}
         )  # fmt: skip
-        assert (settings.port, settings.device, settings.redis_url) == (8000, "cpu", "off")
-        assert settings.l2_disabled and settings.data_dir == Path("/tmp/x")
-        assert (settings.cache_l1_max_bytes, settings.cache_ttl_s) == (1024, 5)
-        assert settings.admin_token == "secret-token"
+        assert (settings.server.port, settings.models.device, settings.redis.url) == (8000, "cpu", "off")
+        assert settings.redis.l2_disabled and settings.server.data_dir == Path("/tmp/x")
+        assert (settings.cache.l1_max_bytes, settings.cache.ttl_s) == (1024, 5)
+        assert settings.server.admin_token == "secret-token"
 
     def test_replica_id_defaults_to_host_and_process(self) -> None:
-        default = Settings.from_env({}).replica_id
+        default = Settings.from_env({}).server.replica_id
         assert default.endswith(f"-{os.getpid()}") and len(default) <= 64
-        assert Settings.from_env({"REPLICA_ID": " app-2 "}).replica_id == "app-2"
+        assert Settings.from_env({"REPLICA_ID": " app-2 "}).server.replica_id == "app-2"
 
     @pytest.mark.parametrize(
         ("env", "message"),
@@ -56,7 +55,7 @@ class TestSettings:
 
 
 def test_private_redis_when_redis_url_is_unset(base_settings, redis_binary, tmp_path) -> None:
-    settings = replace(base_settings, redis_url=None, data_dir=tmp_path / "d")
+    settings = base_settings.changed(redis__url=None, server__data_dir=tmp_path / "d")
     runtime = build_runtime(settings, models={"text": CountingTextModel()})
     try:
         assert runtime.l2_url is not None and runtime.l2_url.startswith("unix://")
@@ -83,7 +82,7 @@ def test_private_redis_when_redis_url_is_unset(base_settings, redis_binary, tmp_
 
 def test_l1_only_with_a_notice_when_redis_server_is_missing(base_settings, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr("runtime.find_redis_server", lambda: None)
-    settings = replace(base_settings, redis_url=None, data_dir=tmp_path / "d")
+    settings = base_settings.changed(redis__url=None, server__data_dir=tmp_path / "d")
     with build_runtime(settings, models={"text": CountingTextModel()}) as runtime:
         state = runtime.engine.cache_state()["l2"]
         assert state["state"] == "disabled" and "redis-server is not installed" in state["notice"]
