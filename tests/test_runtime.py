@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from pydantic import ValidationError
 
 from runtime import build_runtime
 from settings import Settings, SettingsError
@@ -52,6 +53,56 @@ class TestSettings:
     def test_refuses_unusable_values_with_the_variable_name(self, env, message) -> None:
         with pytest.raises(SettingsError, match=message):
             Settings.from_env(env)
+
+    @pytest.mark.parametrize(
+        ("env", "message"),
+        [
+            ({"CACHE_TTL_S": "abc"}, "CACHE_TTL_S='abc' is not an integer (>= 1)"),
+            ({"CACHE_L1_TTL_S": "soon"}, "CACHE_L1_TTL_S='soon' is not a number (>= 0.001)"),
+            ({"PORT": "0"}, "PORT=0 must be >= 1"),
+            ({"DEVICE": "TPU"}, "DEVICE='tpu' must be one of auto, cpu, cuda"),
+            ({"HALF_PRECISION": "yes"}, "HALF_PRECISION='yes' must be one of 0, 1, false, true"),
+            ({"SIZING_CPU_SHARE": "2"}, "SIZING_CPU_SHARE=2.0 must be between 0 and 1"),
+            ({"GENERATION_REFRESH_S": "3", "GENERATION_CONFIRM_S": "4"},
+             "GENERATION_CONFIRM_S=4.0 must be at least 2 x GENERATION_REFRESH_S (3.0)"),
+        ],
+    )  # fmt: skip
+    def test_a_refusal_is_one_line_naming_the_value_and_what_is_accepted(self, env, message) -> None:
+        with pytest.raises(SettingsError) as refused:
+            Settings.from_env(env)
+        assert str(refused.value) == message
+
+    def test_every_refused_value_is_named_at_once(self) -> None:
+        with pytest.raises(SettingsError) as refused:
+            Settings.from_env({"PORT": "http", "REDIS_URL": "localhost:6379", "LOG_MAX_ROWS": "5"})
+        message = str(refused.value)
+        assert "\n" not in message and "validation error" not in message  # no pydantic dump
+        assert "PORT='http'" in message and "REDIS_URL=" in message
+        assert "LOG_MAX_ROWS=5 must be >= 100" in message
+
+    def test_derived_defaults(self) -> None:
+        settings = Settings.from_env({"GENERATION_REFRESH_S": "3"})
+        assert settings.fleet.generation_confirm_s == 6.0  # max(2, 2 x GENERATION_REFRESH_S)
+        assert 1 <= settings.models.miss_concurrency_cpu <= 4
+        assert settings.models.miss_concurrency_for("cuda:0") == 4
+        blank = Settings.from_env({"HOST": "  ", "CACHE_PREFIX": ""})  # blank: the default
+        assert (blank.server.host, blank.cache.prefix) == ("0.0.0.0", "infcache")
+        assert Settings.from_env({"ONNX_EXPORT_DIR": "/e"}).export_dir == Path("/e")
+
+    def test_a_changed_copy_is_validated_and_leaves_the_original_alone(self, tmp_path) -> None:
+        settings = Settings.from_env({})
+        copy = settings.changed(redis__url="off", server__data_dir=tmp_path, cache__ttl_s=5)
+        assert (copy.redis.url, copy.server.data_dir, copy.cache.ttl_s) == ("off", tmp_path, 5)
+        assert copy.redis.l2_disabled and copy.sqlite_path == tmp_path / "requests.sqlite3"
+        assert settings.redis.url is None and settings.cache.ttl_s == 86400 and copy.models is settings.models
+        with pytest.raises(SettingsError, match="CACHE_TTL_S=0 must be >= 1"):
+            settings.changed(cache__ttl_s=0)
+        with pytest.raises(TypeError):
+            settings.changed(redis_url="off")  # not group__field
+        with pytest.raises(TypeError):
+            settings.changed(redis__host="x")
+        with pytest.raises(ValidationError):
+            settings.redis.url = "off"  # type: ignore[misc]  # frozen
 
 
 def test_private_redis_when_redis_url_is_unset(base_settings, redis_binary, tmp_path) -> None:
