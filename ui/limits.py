@@ -62,9 +62,8 @@ class HeaderLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HeaderLimits:
-        return cls(
-            settings.limits.max_header_bytes, settings.limits.max_header_count, settings.limits.max_url_bytes,
-        )
+        limits = settings.limits
+        return cls(limits.max_header_bytes, limits.max_header_count, limits.max_url_bytes)
 
 
 class _HeadRefused(Exception):
