@@ -56,16 +56,16 @@ ModelFactory = Callable[[Settings], Mapping[str, Classifier]]
 
 def model_specs(settings: Settings) -> tuple[ModelSpec, ...]:
     """What MODELS_CONFIG lists (raises ModelConfigError naming a bad entry); unset: the built-ins."""
-    return load_config(settings.models_config) if settings.models_config else DEFAULT_SPECS
+    return load_config(settings.models.models_config) if settings.models.models_config else DEFAULT_SPECS
 
 
 def load_options(settings: Settings) -> LoadOptions:
     return LoadOptions(
-        device=settings.device, half_precision=settings.half_precision,
-        max_upload_bytes=settings.max_upload_bytes, max_image_pixels=settings.max_image_pixels,
-        max_text_chars=settings.max_text_chars, backend=settings.inference_backend,
+        device=settings.models.device, half_precision=settings.models.half_precision,
+        max_upload_bytes=settings.limits.max_upload_bytes, max_image_pixels=settings.limits.max_image_pixels,
+        max_text_chars=settings.limits.max_text_chars, backend=settings.models.inference_backend,
         export_dir=settings.export_dir, cpu_cores=usable_cores(),
-        miss_concurrency_cpu=settings.miss_concurrency_cpu,
+        miss_concurrency_cpu=settings.models.miss_concurrency_cpu,
     )  # fmt: skip
 
 
@@ -158,12 +158,12 @@ def build_runtime(
             specs = {spec.task: spec for spec in model_specs(settings)}
             options = load_options(settings)
             model_loader = lambda task: build_model(specs[task], options)  # noqa: E731
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        settings.server.data_dir.mkdir(parents=True, exist_ok=True)
         l2_url, notice = _resolve_l2(settings, stack)
 
         # With a shared Redis, L1 is served only while the generation is confirmed (engine.cache.l1_gate).
-        confirmations = GenerationConfirmations(bound_s=settings.generation_confirm_s)
-        l1_sizes = {"max_bytes": settings.cache_l1_max_bytes, "default_ttl_s": settings.cache_l1_ttl_s}
+        confirmations = GenerationConfirmations(bound_s=settings.fleet.generation_confirm_s)
+        l1_sizes = {"max_bytes": settings.cache.l1_max_bytes, "default_ttl_s": settings.cache.l1_ttl_s}
         l1 = (MemoryStore(**l1_sizes) if l2_url is None
               else GatedMemoryStore(confirmations=confirmations, **l1_sizes))  # fmt: skip
         l2: RedisStore | None = None
@@ -175,31 +175,34 @@ def build_runtime(
         else:
             def breaker() -> CircuitBreaker:  # one per primary: a dead cluster node costs only its slots
                 return CircuitBreaker(
-                    failure_threshold=settings.breaker_failure_threshold, reset_s=settings.breaker_reset_s
+                    failure_threshold=settings.redis.breaker_failure_threshold,
+                    reset_s=settings.redis.breaker_reset_s,
                 )
 
-            nodes = make_nodes(l2_url, socket_timeout_s=settings.redis_socket_timeout_s)
-            l2 = RedisStore(nodes, prefix=settings.cache_prefix, breaker=breaker(), breaker_factory=breaker)
+            nodes = make_nodes(l2_url, socket_timeout_s=settings.redis.socket_timeout_s)
+            l2 = RedisStore(nodes, prefix=settings.cache.prefix, breaker=breaker(), breaker_factory=breaker)
             stack.callback(l2.close)
-            fleet_redis = FleetRedis(l2, keys=FleetKeys(settings.cache_prefix))
+            fleet_redis = FleetRedis(l2, keys=FleetKeys(settings.cache.prefix))
             generation = RedisGeneration(
-                l2, key=fleet_redis.keys.generation, refresh_s=settings.generation_refresh_s
+                l2, key=fleet_redis.keys.generation, refresh_s=settings.fleet.generation_refresh_s
             )
             flight = FleetFlight(
-                fleet_redis, owner=settings.replica_id, max_wait_s=settings.flight_lease_max_s
+                fleet_redis, owner=settings.server.replica_id, max_wait_s=settings.fleet.flight_lease_max_s
             )
         policy = CachePolicy(
-            prefix=settings.cache_prefix,
-            l1_ttl_s=settings.cache_l1_ttl_s,
-            l2_ttl_s=settings.cache_ttl_s,
-            negative_ttl_s=settings.cache_negative_ttl_s,
+            prefix=settings.cache.prefix,
+            l1_ttl_s=settings.cache.l1_ttl_s,
+            l2_ttl_s=settings.cache.ttl_s,
+            negative_ttl_s=settings.cache.negative_ttl_s,
         )
         engine = InferenceEngine(
             models=loaded, l1=l1, l2=l2, generation=generation, policy=policy, l2_notice=notice,
-            batch_max_size=settings.batch_max_size,
-            miss_concurrency={task: settings.miss_concurrency_for(m.device) for task, m in loaded.items()},
-            codec=(codec := ValueCodec([key.encode() for key in settings.cache_signing_keys])),
-            shadow_sample_rate=settings.shadow_sample_rate, fleet_flight=flight,
+            batch_max_size=settings.models.batch_max_size,
+            miss_concurrency={
+                task: settings.models.miss_concurrency_for(m.device) for task, m in loaded.items()
+            },
+            codec=(codec := ValueCodec([key.encode() for key in settings.cache.signing_keys])),
+            shadow_sample_rate=settings.quality.shadow_sample_rate, fleet_flight=flight,
             miss_budget=_miss_budget(settings, l2, policy),
         )  # fmt: skip
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
@@ -219,7 +222,7 @@ def build_runtime(
                 warm_set.trigger([task])
 
         lifecycle = ModelLifecycle(engine=engine, load=model_loader, on_swap=on_swap)
-        cleanup = Cleanup(l2, prefix=settings.cache_prefix, current=lambda: (
+        cleanup = Cleanup(l2, prefix=settings.cache.prefix, current=lambda: (
             {task: model.version for task, model in engine.models.items()}, engine.generation))  # fmt: skip
         stack.callback(cleanup.close)  # its job stops before the store closes
         if isinstance(generation, RedisGeneration):
@@ -230,9 +233,9 @@ def build_runtime(
         fleet: FleetMember | None = None
         if fleet_redis is not None and isinstance(generation, RedisGeneration):
             fleet = FleetMember(
-                redis=fleet_redis, replica_id=settings.replica_id, engine=engine, generation=generation,
-                confirmations=confirmations, heartbeat_s=settings.fleet_heartbeat_s,
-                refresh_s=settings.generation_refresh_s, ack_timeout_s=settings.fleet_ack_timeout_s,
+                redis=fleet_redis, replica_id=settings.server.replica_id, engine=engine,
+                generation=generation, confirmations=confirmations, heartbeat_s=settings.fleet.heartbeat_s,
+                refresh_s=settings.fleet.generation_refresh_s, ack_timeout_s=settings.fleet.ack_timeout_s,
                 on_peers=flight.set_peers if flight is not None else None,
             )  # fmt: skip
             fleet.start()
@@ -244,24 +247,26 @@ def build_runtime(
         stack.callback(db.dispose)
         migrate(db)
         writer = RequestLogWriter(
-            db, to_row=record_to_row, retention_days=settings.log_retention_days,
-            max_rows=settings.log_max_rows, replica=settings.replica_id,
+            db, to_row=record_to_row, retention_days=settings.log.retention_days,
+            max_rows=settings.log.max_rows, replica=settings.server.replica_id,
         )  # fmt: skip
         stack.callback(writer.close)  # flushes queued rows before the database goes
         engine.add_listener(writer.submit)
         metrics = Metrics(engine, writer)
         engine.add_listener(metrics.observe)
-        forwarding = Forwarding(settings.forwarded_allow_ips, settings.forwarded_trusted_hops)
+        forwarding = Forwarding(
+            settings.fairness.forwarded_allow_ips, settings.fairness.forwarded_trusted_hops,
+        )
         # Busiest clients, untrusted proxies; refusals and queue waits in /metrics
         client_activity = ClientActivity(forwarding)
         engine.add_listener(client_activity.observe)
         metrics.registry.register(FairnessCollector(engine, client_activity))
         if hard_examples is not None:
             metrics.registry.register(HardExamplesCollector(hard_examples))
-        admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.replica_id, fleet=fleet,
-                             lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set,
+        admin = AdminService(engine=engine, db=db, writer=writer, replica_id=settings.server.replica_id,
+                             fleet=fleet, lifecycle=lifecycle, cleanup=cleanup, warm_set=warm_set,
                              hard_examples=hard_examples)  # fmt: skip
-        auth = AdminAuth(settings.admin_token or _generated_token())
+        auth = AdminAuth(settings.server.admin_token or _generated_token())
         insights = _insights(settings, engine, codec, stack, db=db, writer=writer, admin=admin)
         _log_components(settings, l2_url, fleet is not None)
         return Runtime(
@@ -278,22 +283,25 @@ def build_runtime(
 def _miss_budget(settings: Settings, l2: RedisStore | None, policy: CachePolicy) -> MissBudget | None:
     """CLIENT_MISS_RATE > 0: each client's misses spend from one bucket for the fleet (in
     Redis, under the prefix's meta keys, which a flush keeps), or this process's own."""
-    if settings.client_miss_rate <= 0:
+    if settings.fairness.client_miss_rate <= 0:
         return None
     shared = RedisBuckets(l2, prefix=f"{policy.meta_prefix}miss-budget:") if l2 is not None else None
-    return MissBudget(rate=settings.client_miss_rate, burst=settings.client_miss_burst, shared=shared)
+    return MissBudget(
+        rate=settings.fairness.client_miss_rate, burst=settings.fairness.client_miss_burst, shared=shared,
+    )
 
 
 def _log_components(settings: Settings, l2_url: str | None, in_fleet: bool) -> None:
     """One start-up line per component the models' and Redis's own lines do not cover."""
-    log.info("L1: in-process LRU of %.0f MiB, entries kept %.0f s", settings.cache_l1_max_bytes / 2**20,
-             settings.cache_l1_ttl_s)  # fmt: skip
+    log.info("L1: in-process LRU of %.0f MiB, entries kept %.0f s", settings.cache.l1_max_bytes / 2**20,
+             settings.cache.l1_ttl_s)  # fmt: skip
     if l2_url is not None:
-        log.info("L2: Redis %s, entries kept %d s%s", _redacted(l2_url), settings.cache_ttl_s,
-                 f", replica {settings.replica_id} of a fleet" if in_fleet else "")  # fmt: skip
+        log.info("L2: Redis %s, entries kept %d s%s", _redacted(l2_url), settings.cache.ttl_s,
+                 f", replica {settings.server.replica_id} of a fleet" if in_fleet else "")  # fmt: skip
     log.info("request log: %s (kept %g days, at most %d rows)", _redacted(settings.effective_database_url),
-             settings.log_retention_days, settings.log_max_rows)  # fmt: skip
-    sizing = f"up to {settings.sizing_max_keys} keys a task" if settings.sizing_max_keys else "off"
+             settings.log.retention_days, settings.log.max_rows)  # fmt: skip
+    sizing = (f"up to {settings.console.sizing_max_keys} keys a task" if settings.console.sizing_max_keys
+              else "off")  # fmt: skip
     log.info("operator console: the Admin tab, /admin/api/* (Bearer ADMIN_TOKEN), /metrics; "
              "sizing samples %s", sizing)  # fmt: skip
 
@@ -305,11 +313,11 @@ def _insights(
     """The operator's questions (admin.insights.service): the key-stream sampler behind the sizing
     curves (SIZING_MAX_KEYS=0: none) and, on CUDA, the GPU trend's sampler thread."""
     sampler = None
-    if settings.sizing_max_keys > 0:
+    if settings.console.sizing_max_keys > 0:
         sampler = KeySampler(
             sizer=lambda key, value: len(codec.encode(value, key=key)) + len(key),  # as L1 counts it
-            max_keys=settings.sizing_max_keys, l1_ttl_s=settings.cache_l1_ttl_s,
-            l2_ttl_s=settings.cache_ttl_s, cpu_share=settings.sizing_cpu_share,
+            max_keys=settings.console.sizing_max_keys, l1_ttl_s=settings.cache.l1_ttl_s,
+            l2_ttl_s=settings.cache.ttl_s, cpu_share=settings.console.sizing_cpu_share,
         )  # fmt: skip
         engine.observe_keys(sampler.observe)
         sampler.start()
@@ -318,20 +326,21 @@ def _insights(
     stack.callback(devices.close)
     return Insights(
         engine=engine, db=db, writer=writer, window_s=admin.window_s, sampler=sampler,
-        l1_max_bytes=settings.cache_l1_max_bytes, cost_per_hour=settings.model_cost_per_hour, devices=devices,
+        l1_max_bytes=settings.cache.l1_max_bytes, cost_per_hour=settings.console.model_cost_per_hour,
+        devices=devices,
     )  # fmt: skip
 
 
 def _warm_set(settings: Settings, engine: InferenceEngine, l2: RedisStore | None) -> WarmSet | None:
     """WARM_SET_SIZE > 0: the hottest inputs kept in Redis and recomputed after a swap or a bump.
     Closed (registered by the caller's stack) before the engine and the store."""
-    if settings.warm_set_size <= 0:
+    if settings.warmup.size <= 0:
         return None
     if l2 is None:
-        log.warning("WARM_SET_SIZE=%s needs Redis (L2 is off): no warm-up", settings.warm_set_size)
+        log.warning("WARM_SET_SIZE=%s needs Redis (L2 is off): no warm-up", settings.warmup.size)
         return None
-    warm_set = WarmSet(l2, prefix=settings.cache_prefix, size=settings.warm_set_size,
-                       ttl_s=settings.warm_set_ttl_s, engine=engine).start()  # fmt: skip
+    warm_set = WarmSet(l2, prefix=settings.cache.prefix, size=settings.warmup.size,
+                       ttl_s=settings.warmup.ttl_s, engine=engine).start()  # fmt: skip
     engine.attach_warm_set(warm_set)
     return warm_set
 
@@ -339,17 +348,17 @@ def _warm_set(settings: Settings, engine: InferenceEngine, l2: RedisStore | None
 def _hard_examples(settings: Settings, engine: InferenceEngine, l2: RedisStore | None) -> HardExamples | None:
     """HARD_EXAMPLES_SIZE > 0: inputs the model was unsure of kept in Redis for an operator to
     label. Closed (registered by the caller's stack) before the engine and the store."""
-    if settings.hard_examples_size <= 0:
+    if settings.quality.hard_examples_size <= 0:
         return None
     if l2 is None:
         log.warning("HARD_EXAMPLES_SIZE=%s needs Redis (L2 is off): no hard examples",
-                    settings.hard_examples_size)  # fmt: skip
+                    settings.quality.hard_examples_size)  # fmt: skip
         return None
     collector = HardExamples(
-        HardExampleStore(l2, prefix=settings.cache_prefix), size=settings.hard_examples_size,
-        ttl_s=settings.hard_examples_ttl_s, max_score=settings.hard_example_max_score,
-        min_margin=settings.hard_example_min_margin, models=lambda: engine.models,
-        cpu_share=settings.hard_examples_cpu_share,
+        HardExampleStore(l2, prefix=settings.cache.prefix), size=settings.quality.hard_examples_size,
+        ttl_s=settings.quality.hard_examples_ttl_s, max_score=settings.quality.hard_example_max_score,
+        min_margin=settings.quality.hard_example_min_margin, models=lambda: engine.models,
+        cpu_share=settings.quality.hard_examples_cpu_share,
     ).start()  # fmt: skip
     engine.add_answer_hook(collector.note)
     if engine.shadow is not None:
@@ -359,11 +368,11 @@ def _hard_examples(settings: Settings, engine: InferenceEngine, l2: RedisStore |
 
 def _resolve_l2(settings: Settings, stack: ExitStack) -> tuple[str | None, str | None]:
     """Returns (redis URL or None, a notice for operators when L2 is not in use)."""
-    if settings.l2_disabled:
+    if settings.redis.l2_disabled:
         return None, "L2 is disabled (REDIS_URL=off): answers are cached in this process only."
-    if settings.redis_url:
-        log.info("L2: Redis at %s", _redacted(settings.redis_url))
-        return settings.redis_url, None
+    if settings.redis.url:
+        log.info("L2: Redis at %s", _redacted(settings.redis.url))
+        return settings.redis.url, None
     if find_redis_server() is None:
         notice = (
             "redis-server is not installed and REDIS_URL is not set: running with the "
@@ -371,7 +380,7 @@ def _resolve_l2(settings: Settings, stack: ExitStack) -> tuple[str | None, str |
         )
         log.warning(notice)
         return None, notice
-    embedded = EmbeddedRedis(data_dir=settings.data_dir, maxmemory_mb=settings.redis_maxmemory_mb)
+    embedded = EmbeddedRedis(data_dir=settings.server.data_dir, maxmemory_mb=settings.redis.maxmemory_mb)
     try:
         url = embedded.start()
     except EmbeddedRedisError as exc:

@@ -29,7 +29,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +145,9 @@ def _ordinary_load(url: str, calls: int) -> None:
 @contextmanager
 def _served() -> Iterator[Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        settings = replace(Settings.from_env({}), data_dir=Path(tmp) / "data", redis_url="off",
-                           onnx_export_dir=Path(tmp) / "onnx")  # fmt: skip
+        settings = Settings.from_env({}).changed(
+            server__data_dir=Path(tmp) / "data", redis__url="off", models__onnx_export_dir=Path(tmp) / "onnx",
+        )  # fmt: skip
         runtime = build_runtime(settings, models=load_models(settings))
         server = serve_runtime(runtime, port=free_port())
         try:

@@ -378,7 +378,7 @@ def start_systems(
     systems = (
         Ours(models, settings),
         CommonRecipe(models, recipe_url, name=RECIPE),
-        GrCache(models, max_memory=settings.cache_l1_max_bytes, name=GRADIO),
+        GrCache(models, max_memory=settings.cache.l1_max_bytes, name=GRADIO),
     )
     for system in systems:
         stack.callback(system.close)

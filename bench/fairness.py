@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -256,13 +256,13 @@ def _measure(args: argparse.Namespace, base: Settings, no_budget: Settings, mode
     for _ in range(args.rounds):
         for (budget, connections), total in idle.items():
             settings = base if budget == "default budget" else no_budget
-            settings = replace(settings, data_dir=base.data_dir / "bench-fairness-idle")
+            settings = settings.changed(server__data_dir=base.server.data_dir / "bench-fairness-idle")
             answered, refused = _idle(settings, models, args.idle_seconds, connections)
             total[0] += answered
             total[1] += refused
         for name, (settings, flood, polite) in phases.items():
             folder = "bench-fairness-" + "".join(c if c.isalnum() else "-" for c in name)
-            settings = replace(settings, data_dir=base.data_dir / folder)
+            settings = settings.changed(server__data_dir=base.server.data_dir / folder)
             results[name].add(_phase(settings, models, messages, args.seconds, flood_pool=flood_pool,
                                      flood=flood, polite=polite))  # fmt: skip
 
@@ -273,10 +273,12 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="per idle-server phase")
     parser.add_argument("--rounds", type=int, default=2, help="the phases in turn, this many times (pooled)")
     args = parser.parse_args()
-    base = replace(Settings.from_env({}), redis_url="off", shadow_sample_rate=0.0, host="127.0.0.1")
+    base = Settings.from_env({}).changed(
+        redis__url="off", quality__shadow_sample_rate=0.0, server__host="127.0.0.1",
+    )
     models = {"text": load_models(base)["text"]}
     messages = make_messages(VOCABULARY)
-    no_budget = replace(base, client_miss_rate=0.0)
+    no_budget = base.changed(fairness__client_miss_rate=0.0)
     idle = {(budget, n): [0, 0] for budget in ("default budget", "no budget") for n in IDLE_CONNECTIONS}
     phases = {"alone": (base, False, False), "flood": (base, True, False),
               "flood, no budget": (no_budget, True, False), "flood + polite script": (base, True, True)}

@@ -78,8 +78,10 @@ def say(text: str = "") -> None:
 
 
 def open_runtime(device: str, data_dir: Path, *, half: bool) -> Runtime:
-    settings = Settings(device=device, half_precision=half, redis_url="off", data_dir=data_dir,
-                        admin_token="gpu-check-token")  # fmt: skip
+    settings = Settings.from_env({}).changed(
+        models__device=device, models__half_precision=half, redis__url="off", server__data_dir=data_dir,
+        server__admin_token="gpu-check-token",
+    )
     return build_runtime(settings)
 
 
@@ -196,7 +198,7 @@ def fp16_agreement(
     jobs = {"image": [("image", raw) for raw in photos], "text": [("text", raw) for raw in texts]}
     runtime.engine.flush("l1")  # every fp32 answer a fresh miss, one at a time, like the fp16 ones
     fp32 = {task: top1(runtime, task_jobs) for task, task_jobs in jobs.items()}
-    with open_runtime(runtime.settings.device, workdir / "fp16", half=True) as half_runtime:
+    with open_runtime(runtime.settings.models.device, workdir / "fp16", half=True) as half_runtime:
         for note in cast_to_fp16(half_runtime):
             say(note)
         fp16 = {task: top1(half_runtime, task_jobs) for task, task_jobs in jobs.items()}

@@ -29,7 +29,6 @@ import secrets
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -48,7 +47,7 @@ def collecting(runtime: Runtime, *, max_score: float, share: float, burst_s: flo
     """Wired as runtime._hard_examples does, but flushed by the bench (not every 5 s)."""
     store = runtime.engine.l2_store()
     assert store is not None
-    collector = HardExamples(HardExampleStore(store, prefix=runtime.settings.cache_prefix), size=SIZE,
+    collector = HardExamples(HardExampleStore(store, prefix=runtime.settings.cache.prefix), size=SIZE,
                              ttl_s=600, max_score=max_score, min_margin=0.1,
                              models=lambda: runtime.engine.models, cpu_share=share,
                              initial_credit_s=burst_s)  # fmt: skip
@@ -110,14 +109,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         redis = EmbeddedRedis(data_dir=work / "redis", maxmemory_mb=512, port=free_port(), save=False)
         url = redis.start()
         stack.callback(redis.close)
-        base = replace(Settings.from_env({}), admin_token=secrets.token_urlsafe(24), redis_url=url,
-                       shadow_sample_rate=0.0, inference_backend=args.backend, device="cpu",
-                       onnx_export_dir=Path(os.environ.get("ONNX_EXPORT_DIR", "data/onnx")))  # fmt: skip
+        base = Settings.from_env({}).changed(
+            server__admin_token=secrets.token_urlsafe(24), redis__url=url, quality__shadow_sample_rate=0.0,
+            models__inference_backend=args.backend, models__device="cpu",
+            models__onnx_export_dir=Path(os.environ.get("ONNX_EXPORT_DIR", "data/onnx")),
+        )  # fmt: skip
         models = load_models(base)
         built: dict[str, tuple[Runtime, HardExamples | None]] = {}
         for index, name in enumerate(engines):
-            runtime = build_runtime(replace(base, data_dir=work / f"e{index}", cache_prefix=f"e{index}"),
-                                    models=models)  # fmt: skip
+            runtime = build_runtime(
+                base.changed(server__data_dir=work / f"e{index}", cache__prefix=f"e{index}"), models=models,
+            )  # fmt: skip
             stack.callback(runtime.close)
             collector = None
             if name == "on":

@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -106,8 +105,10 @@ def serve(variant: str, port: int) -> None:
     from ui.startup import ServingApp
 
     data_dir = Path(tempfile.mkdtemp(prefix=f"http-limits-{variant}-"))
-    settings = replace(Settings.from_env({}), port=port, host="127.0.0.1", redis_url="off", data_dir=data_dir,
-                       shadow_sample_rate=0.0, client_miss_rate=0.0)  # fmt: skip
+    settings = Settings.from_env({}).changed(
+        server__port=port, server__host="127.0.0.1", redis__url="off", server__data_dir=data_dir,
+        quality__shadow_sample_rate=0.0, fairness__client_miss_rate=0.0,
+    )  # fmt: skip
     models = load_all(tuple(s for s in DEFAULT_SPECS if s.task == "text"), load_options(settings))
     runtime = build_runtime(settings, models=models)
     limits = HeaderLimits.from_settings(settings)

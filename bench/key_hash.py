@@ -20,7 +20,6 @@ import contextlib
 import statistics
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import blake3
@@ -96,12 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     headers = ["median ms", *HASHES, "difference", "ratio"]
 
     photos = list(load_photos().values())
-    settings = replace(Settings.from_env({}), data_dir=Path(tempfile.mkdtemp()), redis_url="off",
-                       shadow_sample_rate=0.0, admin_token="bench-token")  # fmt: skip
+    settings = Settings.from_env({}).changed(
+        server__data_dir=Path(tempfile.mkdtemp()), redis__url="off", quality__shadow_sample_rate=0.0,
+        server__admin_token="bench-token",
+    )  # fmt: skip
     models = load_models(settings)
     pixels = [models["image"].canonicalize(raw) for raw in photos]
     big = np.random.default_rng(0).integers(0, 256, size=(3000, 4000, 3), dtype=np.uint8)
-    long_message = (MESSAGES[0] + " ") * (settings.max_text_chars // (len(MESSAGES[0]) + 1))
+    long_message = (MESSAGES[0] + " ") * (settings.limits.max_text_chars // (len(MESSAGES[0]) + 1))
 
     def each(item: object, part: Callable[[object], list]) -> Callable[[Digest], object]:
         return lambda digest: digest(part(item))

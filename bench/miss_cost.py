@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +51,8 @@ class Totals:
 
 def load(backend: str, export_dir: Path) -> dict[str, Classifier]:
     # As the app loads them (runtime.load_options): its session threads and pass slots.
-    settings = replace(Settings.from_env({}), device="cpu", inference_backend=backend)
-    options = load_options(replace(settings, onnx_export_dir=export_dir))
+    settings = Settings.from_env({}).changed(models__device="cpu", models__inference_backend=backend)
+    options = load_options(settings.changed(models__onnx_export_dir=export_dir))
     started = time.perf_counter()
     models = load_all(DEFAULT_SPECS, options)
     print(f"{backend}: models loaded in {time.perf_counter() - started:.1f} s "
@@ -65,12 +65,14 @@ def load(backend: str, export_dir: Path) -> dict[str, Classifier]:
 
 @contextlib.contextmanager
 def runtimes(work: Path, models: Mapping[str, Mapping[str, Classifier]]) -> Iterator[dict[str, Runtime]]:
-    base = replace(Settings.from_env({}), admin_token=secrets.token_urlsafe(24), redis_url="off",
-                   shadow_sample_rate=0.0, client_miss_rate=0.0)  # fmt: skip
+    base = Settings.from_env({}).changed(
+        server__admin_token=secrets.token_urlsafe(24), redis__url="off", quality__shadow_sample_rate=0.0,
+        fairness__client_miss_rate=0.0,
+    )  # fmt: skip
     with contextlib.ExitStack() as stack:
         built = {}
         for name, loaded in models.items():
-            built[name] = build_runtime(replace(base, data_dir=work / name), models=dict(loaded))
+            built[name] = build_runtime(base.changed(server__data_dir=work / name), models=dict(loaded))
             stack.callback(built[name].close)
         yield built
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +103,15 @@ def redis_counts(client: redis.Redis) -> tuple[int, float]:
 def engines(
     work: Path, redis_url: str, models: Mapping[str, Classifier]
 ) -> Iterator[tuple[Runtime, Runtime]]:
-    base = replace(Settings.from_env({}), client_miss_rate=0.0, admin_token=secrets.token_urlsafe(24))
+    base = Settings.from_env({}).changed(
+        fairness__client_miss_rate=0.0, server__admin_token=secrets.token_urlsafe(24),
+    )
     with contextlib.ExitStack() as stack:
-        l1 = build_runtime(replace(base, data_dir=work / "l1", redis_url="off"), models=dict(models))
+        l1 = build_runtime(base.changed(server__data_dir=work / "l1", redis__url="off"), models=dict(models))
         stack.callback(l1.close)
-        l2 = build_runtime(replace(base, data_dir=work / "l2", redis_url=redis_url), models=dict(models))
+        l2 = build_runtime(
+            base.changed(server__data_dir=work / "l2", redis__url=redis_url), models=dict(models),
+        )
         stack.callback(l2.close)
         yield l1, l2
 

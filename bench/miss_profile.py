@@ -25,7 +25,6 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -123,11 +122,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="miss-profile-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
-        base = replace(Settings.from_env({}), admin_token=secrets.token_urlsafe(24), shadow_sample_rate=0.0)
+        base = Settings.from_env({}).changed(
+            server__admin_token=secrets.token_urlsafe(24), quality__shadow_sample_rate=0.0,
+        )
         built = {}
         for backend in BACKENDS:
             redis = stack.enter_context(fresh_redis(work / f"{backend}-redis"))
-            settings = replace(base, data_dir=work / backend, redis_url=redis.url)
+            settings = base.changed(server__data_dir=work / backend, redis__url=redis.url)
             built[backend] = build_runtime(settings, models=load(backend, work / "onnx"))
             stack.callback(built[backend].close)
         for task in ("image", "text"):

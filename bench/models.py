@@ -25,7 +25,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -90,7 +89,9 @@ def load_real_models(device: str, backend: str = "torch") -> tuple[ImageClassifi
     the benchmarks' baselines are plain torch, as a user's own app runs; `backend="auto"` is
     what the app itself serves with (engine.models.onnx_backend)."""
     _quiet_transformers()
-    models = load_models(replace(Settings.from_env({}), device=device, inference_backend=backend))
+    models = load_models(
+        Settings.from_env({}).changed(models__device=device, models__inference_backend=backend),
+    )
     image, text = models["image"], models["text"]
     assert isinstance(image, ImageClassifier) and isinstance(text, TextClassifier)
     return image, text

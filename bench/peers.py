@@ -25,7 +25,6 @@ import pickle
 import secrets
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -289,13 +288,12 @@ class Ours:
 
 def our_settings(redis_url: str | None, data_dir: Path, device: str) -> Any:
     """Default settings, with this Redis (None: none), data folder and device."""
-    return replace(
-        Settings.from_env({}),
-        redis_url=redis_url or "off",
-        data_dir=data_dir,
-        device=device,
-        admin_token=secrets.token_urlsafe(24),  # else build_runtime logs a generated one
+    return Settings.from_env({}).changed(
+        redis__url=redis_url or "off",
+        server__data_dir=data_dir,
+        models__device=device,
+        server__admin_token=secrets.token_urlsafe(24),  # else build_runtime logs a generated one
         # Model calls here count the cache's own work (tests hold ours to one per distinct
         # input); what shadow verification's recomputations cost is bench.trust's to measure.
-        shadow_sample_rate=0.0,
+        quality__shadow_sample_rate=0.0,
     )

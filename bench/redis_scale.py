@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ def run(profile: Profile, threads: int) -> None:
         cluster = stack.enter_context(LocalCluster(maxmemory_mb=256))
         sentinel = stack.enter_context(LocalSentinel(maxmemory_mb=256))
         model = TextClassifier(device="cpu", max_text_chars=2000)
-        base = replace(Settings.from_env({}), cache_l1_max_bytes=0, admin_token="bench-redis-scale")
+        base = Settings.from_env({}).changed(cache__l1_max_bytes=0, server__admin_token="bench-redis-scale")
         urls = {
             "single node": single.url,
             "cluster (3 primaries)": cluster.url,
@@ -118,7 +118,7 @@ def run(profile: Profile, threads: int) -> None:
         systems: dict[str, Runtime] = {}
         for i, (name, url) in enumerate(urls.items()):
             runtime = build_runtime(
-                replace(base, redis_url=url, data_dir=work / f"app{i}"), models={"text": model}
+                base.changed(redis__url=url, server__data_dir=work / f"app{i}"), models={"text": model}
             )
             stack.callback(runtime.close)
             systems[name] = runtime

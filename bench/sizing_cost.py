@@ -30,7 +30,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 from bench.live_load import run_for
@@ -43,13 +42,15 @@ from settings import Settings
 
 @contextlib.contextmanager
 def runtimes(work: Path, *, cpu_share: float) -> Iterator[tuple[Runtime, Runtime]]:
-    base = replace(Settings.from_env({}), admin_token=secrets.token_urlsafe(24), redis_url="off",
-                   shadow_sample_rate=0.0, sizing_cpu_share=cpu_share)  # fmt: skip
+    base = Settings.from_env({}).changed(
+        server__admin_token=secrets.token_urlsafe(24), redis__url="off", quality__shadow_sample_rate=0.0,
+        console__sizing_cpu_share=cpu_share,
+    )  # fmt: skip
     with contextlib.ExitStack() as stack:
-        off = build_runtime(replace(base, data_dir=work / "off", sizing_max_keys=0),
+        off = build_runtime(base.changed(server__data_dir=work / "off", console__sizing_max_keys=0),
                             models={"text": InstantTextModel()})  # type: ignore[dict-item]  # fmt: skip
         stack.callback(off.close)
-        on = build_runtime(replace(base, data_dir=work / "on"),
+        on = build_runtime(base.changed(server__data_dir=work / "on"),
                            models={"text": InstantTextModel()})  # type: ignore[dict-item]  # fmt: skip
         stack.callback(on.close)
         yield off, on
@@ -171,7 +172,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before (default 5)")
     parser.add_argument("--few", type=int, default=64, help="distinct keys of (a) (default 64)")
     parser.add_argument("--many", type=int, default=20_000, help="distinct keys of (b) (default 20,000)")
-    parser.add_argument("--cpu-share", type=float, default=Settings.sizing_cpu_share,
+    parser.add_argument("--cpu-share", type=float, default=Settings.from_env({}).console.sizing_cpu_share,
                         help="SIZING_CPU_SHARE (default %(default)s)")  # fmt: skip
     args = parser.parse_args()
     rows = [scenario("(a) few keys", args.few, args), scenario("(b) many keys", args.many, args)]

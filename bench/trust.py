@@ -13,7 +13,6 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from bench.models import MESSAGES, load_photos
@@ -60,11 +59,12 @@ def shadow_hits(model: Classifier, hits: int, rates: Sequence[float]) -> None:
     runs beside the next request), p50/p99 with each SHADOW_SAMPLE_RATE, interleaved."""
     from runtime import build_runtime
 
-    base = replace(Settings.from_env({}), redis_url="off", data_dir=Settings().data_dir / "bench-trust")
+    defaults = Settings.from_env({})
+    base = defaults.changed(redis__url="off", server__data_dir=defaults.server.data_dir / "bench-trust")
     texts = list(MESSAGES)
     results: dict[float, list[float]] = {rate: [] for rate in rates}
     checks: dict[float, int] = {}
-    runtimes = {rate: build_runtime(replace(base, shadow_sample_rate=rate), models={"text": model})
+    runtimes = {rate: build_runtime(base.changed(quality__shadow_sample_rate=rate), models={"text": model})
                 for rate in rates}  # fmt: skip
     try:
         for runtime in runtimes.values():
@@ -135,7 +135,7 @@ def main() -> None:
     codec_cost(args.values)
     from runtime import load_models
 
-    models = load_models(replace(Settings.from_env({}), device="cpu"))
+    models = load_models(Settings.from_env({}).changed(models__device="cpu"))
     numerics(models)
     shadow_hits(models["text"], args.hits, (0.0, 0.01, 0.1))
 

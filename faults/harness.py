@@ -9,7 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -382,7 +382,7 @@ def build_context(
             from runtime import load_models
 
             _quiet()
-            models = load_models(replace(Settings.from_env({}), device="auto"))
+            models = load_models(Settings.from_env({}).changed(models__device="auto"))
         oracle = Oracle(dict(models))
         pool = [
             oracle.case(name, "image", data, name=name, group="pool")

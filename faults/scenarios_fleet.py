@@ -7,7 +7,6 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -30,12 +29,11 @@ def single_flight(run: Run) -> None:
     ctx, callers = run.ctx, run.ctx.sizes.flight_callers
     from runtime import build_runtime
 
-    settings = replace(
-        Settings.from_env({}),
-        data_dir=ctx.work / "single-flight",
-        redis_url=ctx.redis_server.url,
-        cache_prefix=f"{PREFIX}-flight",
-        admin_token=TOKEN,
+    settings = Settings.from_env({}).changed(
+        server__data_dir=ctx.work / "single-flight",
+        redis__url=ctx.redis_server.url,
+        cache__prefix=f"{PREFIX}-flight",
+        server__admin_token=TOKEN,
     )
     images = image_variants(ctx.sizes.images + 4, seed=1)[-4:]  # never sent before
     fresh = [

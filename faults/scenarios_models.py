@@ -15,7 +15,7 @@ import random
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ TEXTS = tuple(f"order {n}: where is my parcel number {n * 37 % 101}?" for n in r
 # A replica's record outlives 3 missed beats: 0.9 s here. At 0.1 s (0.3 s) a heartbeat thread
 # starved of the GIL by the in-process load (100,000 requests in a few seconds) let a live
 # replica's record expire mid-reload, and the acknowledgement named it as left.
-FAST = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.3, "generation_confirm_s": 0.5}
+FAST = {"fleet__generation_refresh_s": 0.1, "fleet__heartbeat_s": 0.3, "fleet__generation_confirm_s": 0.5}
 
 
 @dataclass
@@ -77,10 +77,10 @@ def reload_under_load(
     with contextlib.ExitStack() as stack:
         replicas = []
         for name in ("A", "B"):
-            settings = replace(
-                Settings.from_env({}), data_dir=work / name, redis_url=redis_url, cache_prefix=prefix,
-                admin_token=TOKEN, replica_id=f"models-{name}", models_config=config, shadow_sample_rate=0.0,
-                **FAST,
+            settings = Settings.from_env({}).changed(
+                server__data_dir=work / name, redis__url=redis_url, cache__prefix=prefix,
+                server__admin_token=TOKEN, server__replica_id=f"models-{name}", models__models_config=config,
+                quality__shadow_sample_rate=0.0, **FAST,
             )  # fmt: skip
             replicas.append(stack.enter_context(build_runtime(settings, model_factory=load_models)))
         old_version = replicas[0].engine.models["support"].version

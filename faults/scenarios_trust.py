@@ -12,7 +12,6 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import redis
@@ -40,10 +39,10 @@ def _replicas(run: Run, *specs: tuple[tuple[str, ...], float]) -> Iterator[list[
     with contextlib.ExitStack() as stack:
         engines = []
         for index, (keys, rate) in enumerate(specs):
-            settings = replace(
-                Settings.from_env({}), data_dir=ctx.work / f"{run.result.name}-{index}",
-                redis_url=ctx.redis_server.url, cache_prefix=f"{PREFIX}-trust", admin_token=TOKEN,
-                cache_signing_keys=keys, shadow_sample_rate=rate,
+            settings = Settings.from_env({}).changed(
+                server__data_dir=ctx.work / f"{run.result.name}-{index}", redis__url=ctx.redis_server.url,
+                cache__prefix=f"{PREFIX}-trust", server__admin_token=TOKEN, cache__signing_keys=keys,
+                quality__shadow_sample_rate=rate,
             )  # fmt: skip
             engines.append(stack.enter_context(build_runtime(settings, models=ctx.oracle.models)).engine)
         try:

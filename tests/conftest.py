@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -97,17 +96,16 @@ def onnx_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def base_settings(tmp_path_factory: pytest.TempPathFactory, onnx_export_dir: Path) -> Settings:
-    return replace(
-        Settings.from_env({}),
-        onnx_export_dir=onnx_export_dir,
-        data_dir=tmp_path_factory.mktemp("data"),
-        redis_url="off",
-        redis_socket_timeout_s=0.2,
-        breaker_reset_s=0.5,
-        generation_refresh_s=0.2,
+    return Settings.from_env({}).changed(
+        models__onnx_export_dir=onnx_export_dir,
+        server__data_dir=tmp_path_factory.mktemp("data"),
+        redis__url="off",
+        redis__socket_timeout_s=0.2,
+        redis__breaker_reset_s=0.5,
+        fleet__generation_refresh_s=0.2,
         # Off: a sampled hit would run the stand-in models' predict_batch again and move their
         # call counts; tests of shadow verification turn it on.
-        shadow_sample_rate=0.0,
+        quality__shadow_sample_rate=0.0,
     )
 
 
@@ -121,7 +119,7 @@ def real_models(base_settings: Settings) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def torch_models(base_settings: Settings) -> dict[str, Any]:
     """The same two models on plain torch (the benchmarks' baselines, the backend's reference)."""
-    return load_models(replace(base_settings, inference_backend="torch"))
+    return load_models(base_settings.changed(models__inference_backend="torch"))
 
 
 class CountingTextModel:
@@ -182,7 +180,7 @@ def make_runtime(base_settings: Settings, tmp_path: Path) -> Iterator[Callable[.
     built: list[Runtime] = []
 
     def factory(*, models: dict[str, Any] | None = None, **overrides: Any) -> Runtime:
-        settings = replace(base_settings, data_dir=tmp_path / f"rt{len(built)}", **overrides)
+        settings = base_settings.changed(server__data_dir=tmp_path / f"rt{len(built)}", **overrides)
         runtime = build_runtime(settings, models=models or {"text": CountingTextModel()})
         built.append(runtime)
         return runtime

@@ -5,7 +5,6 @@ holds the lease for TEXT's key, as a replica dying mid-computation would."""
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from runtime import build_runtime
@@ -15,10 +14,10 @@ from tests.conftest import CountingTextModel
 
 def main(argv: list[str]) -> None:
     url, prefix, data_dir, text, lease_s = argv
-    settings = replace(
-        Settings.from_env({}), redis_url=url, cache_prefix=prefix, data_dir=Path(data_dir),
-        replica_id="doomed-holder", generation_refresh_s=0.1, fleet_heartbeat_s=0.1,
-        flight_lease_max_s=float(lease_s), admin_token="holder-token",
+    settings = Settings.from_env({}).changed(
+        redis__url=url, cache__prefix=prefix, server__data_dir=Path(data_dir),
+        server__replica_id="doomed-holder", fleet__generation_refresh_s=0.1, fleet__heartbeat_s=0.1,
+        fleet__flight_lease_max_s=float(lease_s), server__admin_token="holder-token",
     )  # fmt: skip
     with build_runtime(settings, models={"text": CountingTextModel(delay_s=60.0)}) as runtime:
         runtime.engine.classify("text", text)  # killed long before it returns

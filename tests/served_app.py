@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ def served_app(
     settings: Settings, models: dict[str, Any], data_dir: Path, **overrides: Any
 ) -> Iterator[Served]:
     """The app as `make run` serves it (ui.server.serve_runtime), closed on exit."""
-    runtime = build_runtime(replace(settings, data_dir=data_dir, **overrides), models=models)
+    runtime = build_runtime(settings.changed(server__data_dir=data_dir, **overrides), models=models)
     server = serve_runtime(runtime, port=free_port())
     served = Served(server.url, runtime)
     try:

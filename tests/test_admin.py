@@ -46,8 +46,10 @@ def log_rows(runtime: Runtime) -> list[Any]:
 @pytest.fixture
 def console(make_runtime, redis_server: EmbeddedRedis, database_url: str) -> Runtime:
     """A runtime whose request log is on SQLite, then on PostgreSQL (`database_url` is parametrized)."""
-    return make_runtime(models={"text": CountingTextModel()}, redis_url=redis_server.url, admin_token=TOKEN,
-                        database_url=database_url)  # fmt: skip
+    return make_runtime(
+        models={"text": CountingTextModel()}, redis__url=redis_server.url, server__admin_token=TOKEN,
+        log__database_url=database_url,
+    )  # fmt: skip
 
 
 class TestRequestLog:
@@ -104,8 +106,8 @@ class TestRequestLog:
 
 class TestWriter:
     def test_burst_with_database_locked_never_blocks_requests(self, make_runtime, tmp_path: Path) -> None:
-        runtime = make_runtime(models={"text": CountingTextModel()}, admin_token=TOKEN,
-                               database_url=f"sqlite:///{tmp_path / 'locked.sqlite3'}")  # fmt: skip
+        runtime = make_runtime(models={"text": CountingTextModel()}, server__admin_token=TOKEN,
+                               log__database_url=f"sqlite:///{tmp_path / 'locked.sqlite3'}")  # fmt: skip
         runtime.engine.classify("text", "hot question")
         runtime.log_writer.flush()
         blocker = sqlite3.connect(tmp_path / "locked.sqlite3", timeout=0.1)

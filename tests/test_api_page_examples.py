@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ CAT = ("tabby", "tiger cat", "Egyptian cat")
 
 @pytest.fixture(scope="module")
 def app_url(base_settings, real_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = replace(base_settings, data_dir=tmp_path_factory.mktemp("api-page"))
+    settings = base_settings.changed(server__data_dir=tmp_path_factory.mktemp("api-page"))
     runtime = build_runtime(settings, models=real_models)
     server = serve_runtime(runtime, port=free_port())
     yield server.url

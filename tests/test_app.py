@@ -30,7 +30,7 @@ def get_json(url: str) -> tuple[int, dict]:
 
 @pytest.fixture
 def real_app(serve, real_models, redis_server: EmbeddedRedis) -> tuple[str, Runtime]:
-    return serve(models=real_models, redis_url=redis_server.url)
+    return serve(models=real_models, redis__url=redis_server.url)
 
 
 def test_both_api_names_answer_with_label_and_cache_info(real_app, photo_dir: Path) -> None:
@@ -87,7 +87,7 @@ def test_health_and_readiness(real_app) -> None:
 
 def test_a_hit_does_not_wait_behind_queued_misses(serve) -> None:
     model_time = 1.5
-    url, _ = serve(models={"text": CountingTextModel(delay_s=model_time)}, redis_url="off")
+    url, _ = serve(models={"text": CountingTextModel(delay_s=model_time)}, redis__url="off")
     warm = Client(url + "/", verbose=False)
     warm.predict("cached question", api_name="/classify_text")
 
@@ -149,8 +149,8 @@ def test_uploads_work_when_the_upload_folder_is_inside_the_data_folder(
     monkeypatch.setenv(
         "GRADIO_TEMP_DIR", str(tmp_path / "rt0" / "uploads")
     )  # rt0: the first runtime's DATA_DIR
-    url, runtime = serve(models=real_models, redis_url="off")
-    assert runtime.settings.data_dir == tmp_path / "rt0"
+    url, runtime = serve(models=real_models, redis__url="off")
+    assert runtime.settings.server.data_dir == tmp_path / "rt0"
     label, _ = Client(url + "/", verbose=False).predict(
         handle_file(str(photo_dir / "coffee.png")), api_name="/classify_image"
     )

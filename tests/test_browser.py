@@ -50,7 +50,7 @@ ADMIN_TOKEN = "browser-test-admin-token"
 
 @pytest.fixture
 def app_url(make_runtime, real_models, redis_server: EmbeddedRedis) -> Iterator[str]:
-    runtime = make_runtime(models=real_models, redis_url=redis_server.url, admin_token=ADMIN_TOKEN)
+    runtime = make_runtime(models=real_models, redis__url=redis_server.url, server__admin_token=ADMIN_TOKEN)
     server = BackgroundServer(build_app(runtime), port=free_port()).start()
     yield server.url
     server.close()

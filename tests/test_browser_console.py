@@ -37,8 +37,8 @@ HIDDEN_TICK_JS = """(tick) => {
 
 @pytest.fixture
 def console_app(make_runtime, redis_server: EmbeddedRedis) -> Iterator[tuple[str, object]]:
-    runtime = make_runtime(models={"text": CountingTextModel()}, redis_url=redis_server.url,
-                           admin_token=TOKEN, cache_l1_max_bytes=100_000)  # fmt: skip
+    runtime = make_runtime(models={"text": CountingTextModel()}, redis__url=redis_server.url,
+                           server__admin_token=TOKEN, cache__l1_max_bytes=100_000)  # fmt: skip
     server = BackgroundServer(build_app(runtime), port=free_port()).start()
     yield server.url, runtime
     server.close()

@@ -22,8 +22,10 @@ TOKEN = "browser-hard-examples-token"
 @pytest.fixture
 def console(browser: Browser, make_runtime: Callable[..., Runtime],  # noqa: F811
             redis_server: EmbeddedRedis) -> Iterator[tuple[Page, list[str], Runtime]]:  # fmt: skip
-    runtime = make_runtime(models={"text": ConfidenceModel()}, redis_url=redis_server.url, admin_token=TOKEN,
-                           hard_examples_size=5)  # fmt: skip
+    runtime = make_runtime(
+        models={"text": ConfidenceModel()}, redis__url=redis_server.url, server__admin_token=TOKEN,
+        quality__hard_examples_size=5,
+    )  # fmt: skip
     for text in ("unsure message one", "unsure message two", "unsure message two"):
         runtime.engine.classify("text", text)
     assert runtime.hard_examples is not None

@@ -47,7 +47,7 @@ TITLES_JS = """() => [...document.querySelectorAll('.js-plotly-plot')]
 def app_url(make_runtime: Callable[..., Runtime], real_models) -> Iterator[str]:
     # The defaults of a first run: no Redis, HARD_EXAMPLES_SIZE=0, WARM_SET_SIZE=0 (and the
     # tests' SHADOW_SAMPLE_RATE=0).
-    runtime = make_runtime(models=real_models, admin_token=TOKEN)
+    runtime = make_runtime(models=real_models, server__admin_token=TOKEN)
     server = BackgroundServer(build_app(runtime), port=free_port()).start()
     yield server.url
     server.close()

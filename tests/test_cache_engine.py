@@ -31,8 +31,8 @@ def engine_pair(
 ) -> tuple[Runtime, Runtime, CountingTextModel, CountingTextModel]:
     first_model = model or CountingTextModel()
     second_model = CountingTextModel(version=first_model.version, cheap=first_model.cheap_canonicalize)
-    first = make_runtime(models={"text": first_model}, redis_url=url)
-    second = make_runtime(models={"text": second_model}, redis_url=url)
+    first = make_runtime(models={"text": first_model}, redis__url=url)
+    second = make_runtime(models={"text": second_model}, redis__url=url)
     return first, second, first_model, second_model
 
 
@@ -60,7 +60,7 @@ class TestTiers:
         assert miss.age_s == 0.0 and shared.age_s >= 0.0
 
     def test_cache_info_has_the_contract_fields(self, make_runtime, redis_server) -> None:
-        runtime = make_runtime(redis_url=redis_server.url)
+        runtime = make_runtime(redis__url=redis_server.url)
         info = runtime.engine.classify("text", "hello").cache_info()
         assert set(info) >= {"tier", "key", "model", "model_version", "generation", "latency_ms",
                              "device", "age_s"}  # fmt: skip
@@ -70,7 +70,7 @@ class TestTiers:
 
     def test_whitespace_variants_share_one_entry(self, make_runtime, redis_server) -> None:
         model = CountingTextModel()
-        runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+        runtime = make_runtime(models={"text": model}, redis__url=redis_server.url)
         variants = ("refund please", "  refund   please ", "refund\tplease\n", "refund\u00a0please")
         results = [runtime.engine.classify("text", text) for text in variants]
         assert len({r.key for r in results}) == 1
@@ -78,16 +78,16 @@ class TestTiers:
         assert model.calls == 1
 
     def test_model_version_is_part_of_the_key(self, make_runtime, redis_server) -> None:
-        old = make_runtime(models={"text": CountingTextModel("v1")}, redis_url=redis_server.url)
+        old = make_runtime(models={"text": CountingTextModel("v1")}, redis__url=redis_server.url)
         new_model = CountingTextModel("v2")
-        new = make_runtime(models={"text": new_model}, redis_url=redis_server.url)
+        new = make_runtime(models={"text": new_model}, redis__url=redis_server.url)
         old.engine.classify("text", "cancel my order")
         result = new.engine.classify("text", "cancel my order")
         assert result.tier == "miss" and new_model.calls == 1
         assert result.model_version == "v2" and ":v2:" in result.key
 
     def test_l2_disabled_runs_l1_only(self, make_runtime) -> None:
-        runtime = make_runtime(redis_url="off")
+        runtime = make_runtime(redis__url="off")
         assert runtime.engine.classify("text", "hi").tier == "miss"
         assert runtime.engine.classify("text", "hi").tier == "l1"
         assert runtime.engine.cache_state()["l2"]["state"] == "disabled"
@@ -96,7 +96,7 @@ class TestTiers:
 class TestRedisValues:
     def test_every_key_has_a_ttl_except_the_generation(self, make_runtime, redis_server) -> None:
         # cheap=False: aliases and remembered rejections are written to Redis too.
-        runtime = make_runtime(models={"text": CountingTextModel(cheap=False)}, redis_url=redis_server.url)
+        runtime = make_runtime(models={"text": CountingTextModel(cheap=False)}, redis__url=redis_server.url)
         for text in ("a question", "another question"):
             runtime.engine.classify("text", text)
         with pytest.raises(InvalidInputError):  # remembered as a negative entry, in Redis too
@@ -115,7 +115,7 @@ class TestRedisValues:
         client.close()
 
     def test_no_value_is_a_pickle(self, make_runtime, redis_server) -> None:
-        runtime = make_runtime(redis_url=redis_server.url)
+        runtime = make_runtime(redis__url=redis_server.url)
         runtime.engine.classify("text", "where is my order")
         client = redis.Redis.from_url(redis_server.url)
         for key in all_keys(redis_server.url):
@@ -152,7 +152,7 @@ class TestRedisValues:
 class TestSingleFlight:
     def test_sixteen_threads_one_model_call(self, make_runtime, redis_server) -> None:
         model = CountingTextModel(delay_s=0.3)
-        runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+        runtime = make_runtime(models={"text": model}, redis__url=redis_server.url)
         barrier = threading.Barrier(16)
         results: list[Any] = []
 
@@ -242,7 +242,7 @@ class TestGeneration:
         assert second.engine.cache_state()["l1"]["entries"] <= 2  # old generation dropped from L1
 
     def test_local_generation_without_redis(self, make_runtime) -> None:
-        runtime = make_runtime(redis_url="off")
+        runtime = make_runtime(redis__url="off")
         runtime.engine.classify("text", "hi")
         assert runtime.engine.bump_generation() == 1
         assert runtime.engine.classify("text", "hi").tier == "miss"
@@ -250,7 +250,7 @@ class TestGeneration:
 
 class TestFlush:
     def test_flush_by_tier_counts_and_scopes(self, make_runtime, redis_server) -> None:
-        runtime = make_runtime(redis_url=redis_server.url)
+        runtime = make_runtime(redis__url=redis_server.url)
         client = redis.Redis.from_url(redis_server.url)
         client.set("someone-else:key", b"keep me")
         for i in range(5):
@@ -290,8 +290,8 @@ class TestRealModels:
     def test_png_bmp_webp_share_one_entry_and_tiers_agree(
         self, make_runtime, redis_server: EmbeddedRedis, real_models, photo_bytes
     ) -> None:
-        first = make_runtime(models=real_models, redis_url=redis_server.url)
-        second = make_runtime(models=real_models, redis_url=redis_server.url)
+        first = make_runtime(models=real_models, redis__url=redis_server.url)
+        second = make_runtime(models=real_models, redis__url=redis_server.url)
         photo = photo_bytes("coffee.png")
         png, bmp, webp = (self.encode(photo, "PNG"), self.encode(photo, "BMP"),
                           self.encode(photo, "WEBP", lossless=True))  # fmt: skip
@@ -319,7 +319,7 @@ class TestRealModels:
 
 def test_l1_stays_within_its_byte_budget_under_many_distinct_inputs(make_runtime) -> None:
     budget = 32 * 1024
-    runtime = make_runtime(redis_url="off", cache_l1_max_bytes=budget)
+    runtime = make_runtime(redis__url="off", cache__l1_max_bytes=budget)
     for i in range(3000):
         runtime.engine.classify("text", f"distinct question number {i}")
         if i % 100 == 0:
@@ -335,7 +335,7 @@ def test_an_l2_hit_through_the_raw_alias_does_not_decode_again(make_runtime, red
     decodes = []
     original = model.canonicalize
     model.canonicalize = lambda raw: decodes.append(raw) or original(raw)  # type: ignore[method-assign]
-    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+    runtime = make_runtime(models={"text": model}, redis__url=redis_server.url)
     runtime.engine.classify("text", "decode me once")
     runtime.engine.flush("l1")
     assert runtime.engine.classify("text", "decode me once").tier == "l2"  # alias and result from L2
@@ -349,7 +349,7 @@ def test_cheap_inputs_keep_aliases_out_of_redis(make_runtime, redis_server) -> N
     """Text canonicalizes in microseconds: a miss costs one Redis read and one write (no
     alias round trips), an L2 hit one read; the in-process alias and rejection remain."""
     model = CountingTextModel()
-    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+    runtime = make_runtime(models={"text": model}, redis__url=redis_server.url)
     client = redis.Redis.from_url(redis_server.url)
 
     def commands() -> int:  # INFO commandstats counts the INFO calls too: subtract them
@@ -455,7 +455,7 @@ def gated(make_runtime, redis_server, write_delay_s, monkeypatch):
     """(runtime, model, round trips list, key presence check, start a held request)."""
     monkeypatch.setattr("engine.cache.tiers.L2_WRITE_DELAY_S", write_delay_s)
     model = GatedTextModel()
-    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+    runtime = make_runtime(models={"text": model}, redis__url=redis_server.url)
     store = runtime.engine.l2_store()
     assert store is not None
     round_trips: list[str] = []
@@ -582,7 +582,7 @@ class TestMissesShareForwardPasses:
 
     def test_waiting_misses_share_the_next_pass_and_each_is_cached(self, make_runtime, pool) -> None:
         model = BatchingTextModel()
-        runtime = make_runtime(models={"text": model}, redis_url="off")
+        runtime = make_runtime(models={"text": model}, redis__url="off")
         held = HeldRequest(runtime, model)
         texts = ["Where is my parcel?", "I want a refund", "Reset my password"]
         futures = [pool.submit(runtime.engine.classify, "text", text) for text in texts]
@@ -603,7 +603,7 @@ class TestMissesShareForwardPasses:
 
     def test_batch_max_size_one_turns_it_off(self, make_runtime, pool) -> None:
         model = BatchingTextModel()
-        runtime = make_runtime(models={"text": model}, redis_url="off", batch_max_size=1)
+        runtime = make_runtime(models={"text": model}, redis__url="off", models__batch_max_size=1)
         assert runtime.engine._passes._batchers == {}
         list(pool.map(lambda t: runtime.engine.classify("text", t), [f"message {k}" for k in range(12)]))
         assert all(len(batch) == 1 for batch in model.batches) and len(model.batches) == 12
@@ -615,7 +615,7 @@ def test_a_memory_answer_comes_only_from_l1_and_is_logged(make_runtime, redis_se
     logged as requests of their route; never Redis, the model or a decode."""
     model = CountingTextModel(cheap=cheap)
     records = []
-    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url)
+    runtime = make_runtime(models={"text": model}, redis__url=redis_server.url)
     engine = runtime.engine
     engine.add_listener(records.append)
     assert engine.classify_from_memory("text", "new question", route="rest") is None  # a miss: no answer

@@ -34,8 +34,8 @@ def wait_done(get: Callable[[], dict[str, Any]], timeout_s: float = 20.0) -> dic
 @pytest.fixture
 def aged(make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis) -> Runtime:
     """Entries of v1 at generation 0 (30) and 1 (10), then of v2 at generation 1 (10, served now)."""
-    runtime = make_runtime(models={"text": CountingTextModel("v1")}, redis_url=redis_server.url,
-                           admin_token=TOKEN)  # fmt: skip
+    runtime = make_runtime(models={"text": CountingTextModel("v1")}, redis__url=redis_server.url,
+                           server__admin_token=TOKEN)  # fmt: skip
     engine = runtime.engine
     for n in range(30):
         engine.classify("text", f"old message {n}")
@@ -73,7 +73,7 @@ def test_census_dry_run_and_delete(aged: Runtime, redis_server: EmbeddedRedis) -
 
     direct = redis.Redis.from_url(redis_server.url)
     direct.set("someone-else:text:v1:0:" + "a" * 32, b"x", ex=600)  # another app's key: never touched
-    meta_before = sorted(direct.scan_iter(match=f"{aged.settings.cache_prefix}:meta:*"))
+    meta_before = sorted(direct.scan_iter(match=f"{aged.settings.cache.prefix}:meta:*"))
     server = serve_runtime(aged, port=free_port())
     auth = {"Authorization": f"Bearer {TOKEN}"}
     try:
@@ -105,11 +105,11 @@ def test_census_dry_run_and_delete(aged: Runtime, redis_server: EmbeddedRedis) -
         assert answer.status_code == 202
         done = wait_done(progress)
         assert done["state"] == "done" and done["deleted"] == 40 and done["matched"] == 40
-        left = census(aged.engine.l2_store(), prefix=aged.settings.cache_prefix,
+        left = census(aged.engine.l2_store(), prefix=aged.settings.cache.prefix,
                       current=lambda: ({"text": "v2"}, 1))  # fmt: skip
         assert [(r["model_version"], r["generation"], r["entries"]) for r in left["rows"]] == [("v2", 1, 10)]
         assert direct.exists("someone-else:text:v1:0:" + "a" * 32)
-        assert sorted(direct.scan_iter(match=f"{aged.settings.cache_prefix}:meta:*")) == meta_before
+        assert sorted(direct.scan_iter(match=f"{aged.settings.cache.prefix}:meta:*")) == meta_before
         aged.engine.flush("l1")
         assert aged.engine.classify("text", "new message 3").tier == "l2"  # served entries kept
         actions = [r["action"] for r in aged.admin.audit_rows()]
@@ -120,7 +120,7 @@ def test_census_dry_run_and_delete(aged: Runtime, redis_server: EmbeddedRedis) -
 
 def test_census_estimates_from_a_sample(aged: Runtime, redis_server: EmbeddedRedis) -> None:
     direct = redis.Redis.from_url(redis_server.url)
-    prefix = aged.settings.cache_prefix
+    prefix = aged.settings.cache.prefix
     with direct.pipeline(transaction=False) as pipe:
         for n in range(3000):  # many old entries, and as many keys of someone else
             pipe.set(f"{prefix}:text:v0:0:b3{n:032x}", b"x", ex=600)
@@ -138,7 +138,7 @@ def test_deletion_is_rate_limited_and_one_at_a_time(aged: Runtime) -> None:
     store = aged.engine.l2_store()
     assert store is not None
     started = time.monotonic()
-    job = CleanupJob(store, prefix=aged.settings.cache_prefix, current=lambda: ({"text": "v2"}, 1),
+    job = CleanupJob(store, prefix=aged.settings.cache.prefix, current=lambda: ({"text": "v2"}, 1),
                      dry_run=True, rate=100, batch=10).start()  # fmt: skip
     progress = wait_done(job.snapshot)
     assert progress["matched"] == 40 and progress["scanned"] >= 50
@@ -146,7 +146,7 @@ def test_deletion_is_rate_limited_and_one_at_a_time(aged: Runtime) -> None:
 
     with redis.Redis.from_url(aged.l2_url or "") as direct, direct.pipeline(transaction=False) as pipe:
         for n in range(5000):  # a second at the default rate: the next start finds it running
-            pipe.set(f"{aged.settings.cache_prefix}:text:v0:0:{n:032x}", b"x", ex=600)
+            pipe.set(f"{aged.settings.cache.prefix}:text:v0:0:{n:032x}", b"x", ex=600)
         pipe.execute()
     first = aged.admin.start_cleanup(dry_run=True, actor="test")
     assert first["state"] == "running"

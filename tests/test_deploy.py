@@ -159,8 +159,6 @@ def test_prometheus_config_scrapes_every_replica(compose, tmp_path: Path) -> Non
 @pytest.fixture(scope="module")
 def exported_metrics(tmp_path_factory: pytest.TempPathFactory, base_settings) -> set[str]:
     """Every sample name a replica's /metrics shows after a little traffic (hits, misses, L2)."""
-    from dataclasses import replace
-
     from runtime import build_runtime
 
     data = tmp_path_factory.mktemp("metrics")
@@ -168,7 +166,9 @@ def exported_metrics(tmp_path_factory: pytest.TempPathFactory, base_settings) ->
     url = server.start()
     try:
         # Shadow verification on: its counters exist only then (the dashboard and alerts watch them).
-        settings = replace(base_settings, data_dir=data / "app", redis_url=url, shadow_sample_rate=0.01)
+        settings = base_settings.changed(
+            server__data_dir=data / "app", redis__url=url, quality__shadow_sample_rate=0.01,
+        )
         with build_runtime(settings, models={"text": CountingTextModel()}) as runtime:
             for message in ["a question", "a question", "another"]:
                 runtime.engine.classify("text", message)
@@ -225,8 +225,8 @@ def test_compose_eviction_policy_never_evicts_the_generation(
     Redis under the compose file's policy, filled past maxmemory, evicts and keeps them."""
     command = compose["services"]["redis"]["command"]
     policy = command[command.index("--maxmemory-policy") + 1]
-    runtime = make_runtime(models={"text": CountingTextModel(cheap=False)}, redis_url=redis_server.url)
-    prefix = runtime.settings.cache_prefix
+    runtime = make_runtime(models={"text": CountingTextModel(cheap=False)}, redis__url=redis_server.url)
+    prefix = runtime.settings.cache.prefix
     runtime.admin.bump_version(actor="test")
     for i in range(40):
         runtime.engine.classify("text", f"message {i % 25}")

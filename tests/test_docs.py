@@ -1,6 +1,6 @@
 """The documentation cannot drift from the code: every setting is documented and every
-documented setting is read, docs/CONFIGURATION.md is the generated text, every relative link
-leads to a file, and the README stays a short page that starts with its two commands."""
+documented setting is read, docs/CONFIGURATION.md is the text generated from the settings' models,
+every relative link leads to a file, and the README stays a short page that starts with its two commands."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import settings_reference
-from settings import Settings
+from settings import Settings, reference
+from settings.base import env_names
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -53,8 +53,8 @@ def variables_read_by_settings() -> set[str]:
     return env.asked
 
 
-def documented(read_by: str | None = None) -> dict[str, settings_reference.Variable]:
-    return {v.name: v for v in settings_reference.VARIABLES if read_by is None or v.read_by == read_by}
+def documented(read_by: str | None = None) -> dict[str, reference.Variable]:
+    return {v.name: v for v in reference.variables() if read_by is None or v.read_by == read_by}
 
 
 def test_the_recording_env_sees_lookups() -> None:
@@ -64,14 +64,25 @@ def test_the_recording_env_sees_lookups() -> None:
 
 def test_every_variable_settings_reads_is_documented_and_every_documented_one_is_read() -> None:
     asked = variables_read_by_settings()
-    ours = documented("settings.py")
-    assert sorted(asked - set(ours)) == [], "read by Settings.from_env, missing from settings_reference.py"
-    assert sorted(set(ours) - asked) == [], "in settings_reference.py as read by settings.py, but it is not"
+    ours = documented(reference.SETTINGS)
+    assert sorted(asked - set(ours)) == [], "read by Settings.from_env, missing from the reference"
+    assert sorted(set(ours) - asked) == [], "in the reference as read by the settings, but it is not"
+
+
+def test_every_field_names_its_variable_and_carries_a_default_and_a_description() -> None:
+    for group_name, group in Settings.groups().items():
+        assert group.heading.strip() and reference.intro(group), f"{group.__name__}: a heading, a docstring"
+        for name, field in group.model_fields.items():
+            where = f"settings.{group_name}.{name}"
+            assert env_names(field), f"{where} names no environment variable"
+            assert (field.description or "").strip(), f"{where} ({env_names(field)[0]}) has no description"
+            extra = field.json_schema_extra
+            assert isinstance(extra, dict) and str(extra.get("shown", "")).strip(), f"{where}: no default"
 
 
 def test_variables_read_elsewhere_are_read_there() -> None:
     for variable in documented().values():
-        if variable.read_by == "settings.py":
+        if variable.read_by == reference.SETTINGS:
             continue
         source = (ROOT / variable.read_by).read_text(encoding="utf-8")
         assert re.search(rf"environ(\.get)?\(?\[?[\"']{variable.name}[\"']", source), (
@@ -80,26 +91,27 @@ def test_variables_read_elsewhere_are_read_there() -> None:
 
 
 def test_each_variable_once_with_a_known_group_a_default_and_a_meaning() -> None:
-    names = [v.name for v in settings_reference.VARIABLES]
+    names = [v.name for v in reference.variables()]
     assert len(names) == len(set(names)), "a variable documented twice"
-    for variable in settings_reference.VARIABLES:
-        assert variable.group in settings_reference.GROUPS, variable
+    headings = reference.sections()
+    for variable in reference.variables():
+        assert variable.group in headings, variable
         assert variable.default.strip() and variable.meaning.strip(), variable
 
 
 def test_configuration_page_is_the_generated_text() -> None:
     page = (ROOT / "docs" / "CONFIGURATION.md").read_text(encoding="utf-8")
-    assert page == settings_reference.render(), (
-        "docs/CONFIGURATION.md is stale: run .venv/bin/python -m settings_reference --write"
+    assert page == reference.render(), (
+        "docs/CONFIGURATION.md is stale: run .venv/bin/python -m settings.reference --write"
     )
 
 
 def test_the_generator_runs_as_documented() -> None:
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "settings_reference"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "settings.reference"], cwd=ROOT, capture_output=True,
                          text=True, check=True, timeout=60)  # fmt: skip
-    assert out.stdout == settings_reference.render()
+    assert out.stdout == reference.render()
 
 
 # --- links ----------------------------------------------------------------------------------

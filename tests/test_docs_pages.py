@@ -7,7 +7,6 @@ page must render the API's routes, and nothing may have been asked of another ho
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 from urllib.parse import urlsplit
 
 import httpx
@@ -26,7 +25,7 @@ INFER_ROUTE = "/v2/models/{model}/infer"
 
 @pytest.fixture(scope="module")
 def app_url(base_settings, real_models, tmp_path_factory) -> Iterator[str]:
-    settings = replace(base_settings, data_dir=tmp_path_factory.mktemp("docs-pages"), redis_url="off")
+    settings = base_settings.changed(server__data_dir=tmp_path_factory.mktemp("docs-pages"), redis__url="off")
     runtime = build_runtime(settings, models=real_models)
     server = BackgroundServer(build_app(runtime), port=free_port()).start()
     yield server.url

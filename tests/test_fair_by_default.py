@@ -37,9 +37,9 @@ PNG_SIGNATURE = b"\x89PNG"
 @pytest.fixture
 def idle_server(make_runtime, real_models, redis_server: EmbeddedRedis) -> Iterator[tuple[str, Runtime]]:
     defaults = Settings.from_env({})
-    runtime = make_runtime(models=real_models, redis_url=redis_server.url,
-                           client_miss_rate=defaults.client_miss_rate,
-                           client_miss_burst=defaults.client_miss_burst)  # fmt: skip
+    runtime = make_runtime(models=real_models, redis__url=redis_server.url,
+                           fairness__client_miss_rate=defaults.fairness.client_miss_rate,
+                           fairness__client_miss_burst=defaults.fairness.client_miss_burst)  # fmt: skip
     assert runtime.engine.fairness_state()["miss_budget"] is not None  # the default budget is on
     server = serve_runtime(runtime, port=free_port())
     yield server.url, runtime

@@ -291,7 +291,7 @@ def contended(runtime: Runtime, task: str, *clients: str) -> Iterator[None]:
 
 
 def test_alone_past_its_budget_a_client_s_misses_are_all_served(make_runtime) -> None:
-    runtime = make_runtime(client_miss_rate=0.01, client_miss_burst=2)
+    runtime = make_runtime(fairness__client_miss_rate=0.01, fairness__client_miss_burst=2)
     engine = runtime.engine
     script = "198.51.100.9"
     tiers = [engine.classify("text", f"script message {n}", client=script).tier for n in range(40)]
@@ -302,7 +302,7 @@ def test_alone_past_its_budget_a_client_s_misses_are_all_served(make_runtime) ->
 
 
 def test_only_misses_spend_and_a_refusal_is_logged_as_its_own_status(make_runtime) -> None:
-    runtime = make_runtime(client_miss_rate=0.01, client_miss_burst=2)
+    runtime = make_runtime(fairness__client_miss_rate=0.01, fairness__client_miss_burst=2)
     engine = runtime.engine
     records: list[RequestRecord] = []
     engine.add_listener(records.append)
@@ -339,7 +339,7 @@ def _infer(url: str, text: str, forwarded_for: str | None = None) -> httpx.Respo
 
 
 def test_rest_answers_429_with_retry_after_and_still_serves_hits(serve) -> None:
-    url, runtime = serve(client_miss_rate=0.05, client_miss_burst=2)
+    url, runtime = serve(fairness__client_miss_rate=0.05, fairness__client_miss_burst=2)
     assert _infer(url, "hello there", "203.0.113.5").status_code == 200
     assert _infer(url, "second message", "203.0.113.5").status_code == 200
     with contended(runtime, "text", "203.0.113.99", "203.0.113.5"):
@@ -365,7 +365,7 @@ def _busiest(runtime: Runtime) -> list[list[Any]]:
 
 
 def test_x_forwarded_for_from_an_untrusted_peer_is_ignored(serve) -> None:
-    url, runtime = serve(forwarded_allow_ips="192.0.2.1")
+    url, runtime = serve(fairness__forwarded_allow_ips="192.0.2.1")
     for n, forwarded in enumerate(("203.0.113.5", "203.0.113.99", "198.51.100.4")):
         # The header would make each another client; from an untrusted peer it is the peer itself.
         assert _infer(url, f"untrusted {n}", forwarded).status_code == 200
@@ -381,8 +381,9 @@ def test_x_forwarded_for_from_an_untrusted_peer_is_ignored(serve) -> None:
 def space_server(make_runtime) -> Iterator[tuple[Any, Runtime]]:
     """A served app with a Space's settings (SPACE_ID set, nothing else): (server, runtime)."""
     space = Settings.from_env({"SPACE_ID": "someone/inference-cache"})
-    assert space.forwarded_trusted_hops == 1 and space.forwarded_allow_ips == "127.0.0.1,::1"
-    runtime = make_runtime(forwarded_trusted_hops=space.forwarded_trusted_hops)
+    trust = space.fairness
+    assert trust.forwarded_trusted_hops == 1 and trust.forwarded_allow_ips == "127.0.0.1,::1"
+    runtime = make_runtime(fairness__forwarded_trusted_hops=space.fairness.forwarded_trusted_hops)
     server = serve_runtime(runtime, port=free_port())
     yield server, runtime
     server.close()
@@ -423,7 +424,7 @@ def _gradio_call(url: str, text: str, forwarded_for: str) -> Any:
 
 
 def test_gradio_shows_the_budget_message_and_serves_hits(serve) -> None:
-    url, runtime = serve(client_miss_rate=0.05, client_miss_burst=1)
+    url, runtime = serve(fairness__client_miss_rate=0.05, fairness__client_miss_burst=1)
     assert _gradio_call(url, "gradio first", "203.0.113.7").outputs[1]["tier"] == "miss"
     with contended(runtime, "text", "203.0.113.70", "203.0.113.7"):
         refused = _gradio_call(url, "gradio second", "203.0.113.7")
@@ -438,7 +439,7 @@ def test_gradio_shows_the_budget_message_and_serves_hits(serve) -> None:
 
 
 def test_refusals_show_in_metrics_the_busiest_clients_and_the_tier_chart(serve) -> None:
-    url, runtime = serve(client_miss_rate=0.05, client_miss_burst=1)
+    url, runtime = serve(fairness__client_miss_rate=0.05, fairness__client_miss_burst=1)
     assert _infer(url, "visible one", "203.0.113.40").status_code == 200
     with contended(runtime, "text", "198.51.100.1", "203.0.113.40"):
         assert _infer(url, "visible two", "203.0.113.40").status_code == 429

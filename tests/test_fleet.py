@@ -31,7 +31,7 @@ pytestmark = pytest.mark.redis
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "fleet-operator-token"
-FAST = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.1, "generation_confirm_s": 0.5}
+FAST = {"fleet__generation_refresh_s": 0.1, "fleet__heartbeat_s": 0.1, "fleet__generation_confirm_s": 0.5}
 
 
 def wait_until(condition: Callable[[], Any], timeout_s: float = 5.0, what: str = "condition") -> Any:
@@ -50,8 +50,8 @@ def fleet(make_runtime, redis_server: EmbeddedRedis) -> Callable[..., Runtime]:
 
     def replica(name: str, model: CountingTextModel | None = None, **overrides: Any) -> Runtime:
         settings = {**FAST, **overrides}
-        return make_runtime(models={"text": model or CountingTextModel()}, redis_url=redis_server.url,
-                            replica_id=name, admin_token=TOKEN, **settings)  # fmt: skip
+        return make_runtime(models={"text": model or CountingTextModel()}, redis__url=redis_server.url,
+                            server__replica_id=name, server__admin_token=TOKEN, **settings)  # fmt: skip
 
     return replica
 
@@ -87,7 +87,9 @@ class TestRegistry:
         assert {r["id"]: r["state"] for r in a.admin.replicas()} == {"A": "live", "B": "stopped"}
 
     def test_api_lists_replicas_with_the_token_only(self, serve, redis_server: EmbeddedRedis) -> None:
-        url, _runtime = serve(redis_url=redis_server.url, replica_id="api-replica", admin_token=TOKEN, **FAST)
+        url, _runtime = serve(
+            redis__url=redis_server.url, server__replica_id="api-replica", server__admin_token=TOKEN, **FAST,
+        )
         refused = httpx.get(url + "/admin/api/replicas", timeout=10)
         assert refused.status_code == 401
         headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -120,8 +122,8 @@ class TestFleetActions:
         assert took < 1.0  # the old acknowledgement slept two refresh periods (0.2 s here) + B's poll
 
     def test_a_live_replica_that_does_not_confirm_is_named(self, serve, fleet, redis_server) -> None:
-        url, _runtime = serve(redis_url=redis_server.url, replica_id="A", admin_token=TOKEN,
-                             fleet_ack_timeout_s=0.5, **FAST)  # fmt: skip
+        url, _runtime = serve(redis__url=redis_server.url, server__replica_id="A", server__admin_token=TOKEN,
+                             fleet__ack_timeout_s=0.5, **FAST)  # fmt: skip
         # A replica that heartbeats but never applies anything (a wedged process).
         direct = redis.Redis.from_url(redis_server.url)
         wedged = json.dumps({"id": "wedged", "generation": 0, "flush_epoch": 0, "last_seen": time.time()})
@@ -164,7 +166,7 @@ class TestFleetActions:
         direct.close()
 
     def test_l1_is_bypassed_while_the_generation_cannot_be_confirmed(self, fleet, redis_server) -> None:
-        a = fleet("A", generation_confirm_s=0.4)
+        a = fleet("A", fleet__generation_confirm_s=0.4)
         a.engine.classify("text", "cached")
         assert a.engine.classify("text", "cached").tier == "l1"
         redis_server.close()  # Redis gone: no confirmation any more
@@ -277,7 +279,7 @@ def test_console_lists_replicas_and_names_unconfirmed_ones(fleet) -> None:
 def test_lease_follows_the_p99_within_its_bounds(fleet) -> None:
     from engine.fleet.flight import LEASE_MIN_S
 
-    flight = fleet("A", flight_lease_max_s=4.0).engine._fleet_flight
+    flight = fleet("A", fleet__flight_lease_max_s=4.0).engine._fleet_flight
     assert flight is not None
     assert flight.lease_s("text") == 4.0  # nothing measured yet: the longest
     for _ in range(99):

@@ -2,7 +2,7 @@
 
 storage < engine < admin < api, ui < app.py, runtime.py (the composition root), process_setup.py < testing
 (servers and clients the suite and the benchmarks share) < bench < faults (the fault suite) < tests.
-`settings.py` is plain data below them all: anyone may import it, and it imports nothing of ours.
+`settings/` is plain data below them all: anyone may import it, and it imports nothing of ours.
 Every import counts, including those inside functions and under `if TYPE_CHECKING:`.
 """
 
@@ -19,7 +19,6 @@ SKIPPED_DIRS = {".venv", "data", "test-artifacts", "__pycache__", ".git", "node_
 # A module's floor is its first dotted part's; higher may import lower or equal.
 FLOORS: dict[str, int] = {
     "settings": 0,
-    "settings_reference": 0,  # the settings reference (docs/CONFIGURATION.md), generated
     "common": 0,  # small helpers that import nothing of ours (the owned background thread)
     "storage": 1,
     "engine": 2,
@@ -181,7 +180,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
         ({"admin/x.py": "from api.oip import r\n"}, "admin/x.py:1"),
         ({"ui/x.py": "from runtime import Runtime\n"}, "ui/x.py:1"),
         ({"engine/sub/x.py": "from ...admin import stats\n"}, "engine/sub/x.py:1"),  # relative
-        ({"settings.py": "from storage import memory\n"}, "settings.py:1"),
+        ({"settings/x.py": "from storage import memory\n"}, "settings/x.py:1"),
         ({"common/x.py": "from settings import Settings\n"}, "common/x.py:1"),
         ({"runtime.py": "from bench import models\n"}, "runtime.py:1"),
     ],

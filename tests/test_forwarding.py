@@ -44,10 +44,10 @@ def test_trusted_hops_take_what_the_last_proxy_appended() -> None:
 
 
 def test_a_space_trusts_its_front_by_default_and_other_hosts_do_not() -> None:
-    assert Settings.from_env({"SPACE_ID": "someone/demo"}).forwarded_trusted_hops == 1
-    assert Settings.from_env({}).forwarded_trusted_hops == 0
+    assert Settings.from_env({"SPACE_ID": "someone/demo"}).fairness.forwarded_trusted_hops == 1
+    assert Settings.from_env({}).fairness.forwarded_trusted_hops == 0
     opted_out = Settings.from_env({"SPACE_ID": "someone/demo", "FORWARDED_TRUSTED_HOPS": "0"})
-    assert opted_out.forwarded_trusted_hops == 0
+    assert opted_out.fairness.forwarded_trusted_hops == 0
 
 
 def test_an_untrusted_proxy_forwarding_many_clients_is_reported_once(

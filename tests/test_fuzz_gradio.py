@@ -51,7 +51,7 @@ FUZZED_EVENTS = ("classify_text", "classify_image", "load_example", "load_exampl
 @pytest.fixture(scope="module")
 def served(base_settings: Settings, real_models, tmp_path_factory) -> Iterator[Served]:
     with served_app(
-        base_settings, real_models, tmp_path_factory.mktemp("fuzz"), max_image_pixels=MAX_PIXELS
+        base_settings, real_models, tmp_path_factory.mktemp("fuzz"), limits__max_image_pixels=MAX_PIXELS
     ) as app:
         yield app
 

@@ -218,8 +218,8 @@ class Fuzzed:
 def fuzzed(serve, redis_server: EmbeddedRedis, server_log: ServerLog) -> Iterator[Fuzzed]:
     """A served app (stand-in models, real Redis, an admin token). The log must stay clean."""
     url, runtime = serve(models={"text": CountingTextModel(), "image": ImageStandIn()},
-                         redis_url=redis_server.url, admin_token=TOKEN,
-                         max_upload_bytes=UPLOAD_BYTES)  # fmt: skip
+                         redis__url=redis_server.url, server__admin_token=TOKEN,
+                         limits__max_upload_bytes=UPLOAD_BYTES)  # fmt: skip
     served = Fuzzed(url, runtime, server_log)
     yield served
     assert not server_log.failures(), server_log.failures()[:5]

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -109,7 +109,7 @@ def served(runtime: Any, build: Callable[[Any], FastAPI]) -> Iterator[tuple[str,
 
 @pytest.fixture(scope="module")
 def runtime(base_settings, real_models, tmp_path_factory) -> Iterator[Any]:
-    settings = replace(base_settings, data_dir=tmp_path_factory.mktemp("differential"))
+    settings = base_settings.changed(server__data_dir=tmp_path_factory.mktemp("differential"))
     with build_runtime(settings, models=real_models) as built:
         yield built
 

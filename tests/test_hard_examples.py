@@ -74,8 +74,9 @@ def test_hard_reason_thresholds() -> None:
     assert hard_reason(p(0.95), max_score=0.5, min_margin=0.1) is None  # one class listed: no margin
     env = {"HARD_EXAMPLES_SIZE": "50", "HARD_EXAMPLE_MAX_SCORE": "0.3", "HARD_EXAMPLE_MIN_MARGIN": "0.05"}
     settings = Settings.from_env(env)
-    assert (settings.hard_examples_size, settings.hard_example_max_score) == (50, 0.3)
-    assert settings.hard_examples_ttl_s == 7 * 86_400 and Settings.from_env({}).hard_examples_size == 0
+    assert (settings.quality.hard_examples_size, settings.quality.hard_example_max_score) == (50, 0.3)
+    assert settings.quality.hard_examples_ttl_s == 7 * 86_400
+    assert Settings.from_env({}).quality.hard_examples_size == 0
     with pytest.raises(SettingsError, match="HARD_EXAMPLE_MAX_SCORE"):
         Settings.from_env({"HARD_EXAMPLE_MAX_SCORE": "1.5"})
 
@@ -83,8 +84,8 @@ def test_hard_reason_thresholds() -> None:
 def test_only_unsure_misses_are_kept_with_their_answer_and_asks(
     make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis
 ) -> None:
-    runtime = make_runtime(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
-                           hard_examples_size=10, hard_examples_ttl_s=600)  # fmt: skip
+    runtime = make_runtime(models={"text": ConfidenceModel()}, redis__url=redis_server.url,
+                           quality__hard_examples_size=10, quality__hard_examples_ttl_s=600)  # fmt: skip
     engine, collector = runtime.engine, collector_of(runtime)
     for text in ("sure refund please", "close call", "where is it"):
         assert engine.classify("text", text).tier == "miss"
@@ -121,8 +122,10 @@ def test_a_stream_of_10000_unsure_inputs_stays_bounded(
     # The budget is not the subject here (see test_collection_keeps_to_its_cpu_budget): a share
     # far beyond what HARD_EXAMPLES_CPU_SHARE allows (<= 1) keeps the credit full, since at a
     # share of 1 a 0.2 ms pass earns less than a slow machine's flush spends per example.
-    runtime = make_runtime(models={"text": ConfidenceModel(delay_s=0.0002)}, redis_url=redis_server.url,
-                           hard_examples_size=size, hard_examples_cpu_share=100.0)  # fmt: skip
+    runtime = make_runtime(
+        models={"text": ConfidenceModel(delay_s=0.0002)}, redis__url=redis_server.url,
+        quality__hard_examples_size=size, quality__hard_examples_cpu_share=100.0,
+    )  # fmt: skip
     engine, collector, hard = runtime.engine, collector_of(runtime), runtime.admin.hard_examples
     for text in ("favourite question", "labelled question"):
         for _ in range(5):
@@ -154,8 +157,8 @@ def test_a_stream_of_10000_unsure_inputs_stays_bounded(
 def test_the_api_labels_skips_deletes_and_audits_without_inputs(
     serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis
 ) -> None:
-    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
-                         hard_examples_size=10, admin_token=TOKEN)  # fmt: skip
+    url, runtime = serve(models={"text": ConfidenceModel()}, redis__url=redis_server.url,
+                         quality__hard_examples_size=10, server__admin_token=TOKEN)  # fmt: skip
     secret = "my card number is 4111 and it failed"
     for text in (secret, "unsure two", "unsure three"):
         runtime.engine.classify("text", text)
@@ -222,8 +225,8 @@ def test_export_parquet_reads_with_datasets(
     serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis, tmp_path: Path
 ) -> None:
     import datasets
-    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
-                         hard_examples_size=10, admin_token=TOKEN)  # fmt: skip
+    url, runtime = serve(models={"text": ConfidenceModel()}, redis__url=redis_server.url,
+                         quality__hard_examples_size=10, server__admin_token=TOKEN)  # fmt: skip
     for text in ("unsure a", "unsure b", "unsure c"):
         runtime.engine.classify("text", text)
     runtime.engine.classify("text", "unsure a")
@@ -268,8 +271,8 @@ def test_a_message_with_a_lone_surrogate_is_listed_labelled_and_exported(
     """A hostile message ("\\ud800" in JSON) is a valid input; once kept, it must not break the
     operator's listing, labelling or exports (JSON, Parquet and the zip carry only UTF-8)."""
     import datasets
-    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
-                         hard_examples_size=10, admin_token=TOKEN)  # fmt: skip
+    url, runtime = serve(models={"text": ConfidenceModel()}, redis__url=redis_server.url,
+                         quality__hard_examples_size=10, server__admin_token=TOKEN)  # fmt: skip
     hostile = "unsure \udc80 where \ud83d is it"
     runtime.engine.classify("text", hostile)
     collector_of(runtime).flush()
@@ -305,8 +308,10 @@ def test_a_shadow_mismatch_is_kept_with_both_answers(
                 ("delivery", 0.85), ("refund", 0.1), ("greeting", 0.05))
             return [Prediction(labels) for _ in inputs]
 
-    runtime = make_runtime(models={"text": Drifting()}, redis_url=redis_server.url, hard_examples_size=5,
-                           shadow_sample_rate=1.0)  # fmt: skip
+    runtime = make_runtime(
+        models={"text": Drifting()}, redis__url=redis_server.url, quality__hard_examples_size=5,
+        quality__shadow_sample_rate=1.0,
+    )  # fmt: skip
     engine = runtime.engine
     assert engine.classify("text", "sure thing").tier == "miss"  # confident: not kept
     assert engine.classify("text", "sure thing").tier == "l1"  # sampled: recomputed, disagrees
@@ -319,9 +324,9 @@ def test_a_shadow_mismatch_is_kept_with_both_answers(
 
 def test_off_by_default_and_without_redis(make_runtime: Callable[..., Runtime],
                                           serve: Callable[..., tuple[str, Runtime]]) -> None:  # fmt: skip
-    runtime = make_runtime(models={"text": ConfidenceModel()}, hard_examples_size=5)  # REDIS_URL=off
+    runtime = make_runtime(models={"text": ConfidenceModel()}, quality__hard_examples_size=5)  # REDIS_URL=off
     assert runtime.hard_examples is None and runtime.admin.hard_examples.summary() == {"enabled": False}
-    url, _ = serve(models={"text": ConfidenceModel()}, admin_token=TOKEN)
+    url, _ = serve(models={"text": ConfidenceModel()}, server__admin_token=TOKEN)
     off = httpx.get(f"{url}/admin/api/hard-examples", params={"task": "text"}, headers=AUTH)
     assert off.status_code == 409 and "HARD_EXAMPLES_SIZE" in off.json()["error"]
     assert "infcache_hard_examples" not in httpx.get(f"{url}/metrics").text
@@ -334,8 +339,8 @@ def test_console_callbacks_need_sign_in_label_and_export(
 
     from admin.hard_examples.tab import example_rows, make_hard_example_callbacks
 
-    runtime = make_runtime(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
-                           hard_examples_size=5)  # fmt: skip
+    runtime = make_runtime(models={"text": ConfidenceModel()}, redis__url=redis_server.url,
+                           quality__hard_examples_size=5)  # fmt: skip
     for text in ("unsure one", "unsure two", "unsure two"):
         runtime.engine.classify("text", text)
     collector_of(runtime).flush()
@@ -415,8 +420,9 @@ def test_replicas_share_one_bounded_set(
 ) -> None:
     """Two replicas on one Redis: one set per task, asks counted wherever they land, the bound
     held with both adding, an operator's label given on one seen on the other."""
-    a, b = (make_runtime(models={"text": ConfidenceModel()}, redis_url=redis_server.url, hard_examples_size=3,
-                         replica_id=name) for name in ("A", "B"))  # fmt: skip
+    a, b = (make_runtime(models={"text": ConfidenceModel()}, redis__url=redis_server.url,
+                         quality__hard_examples_size=3, server__replica_id=name)
+            for name in ("A", "B"))  # fmt: skip
     a.engine.classify("text", "unsure shared question")
     collector_of(a).flush()
     collector_of(b).flush()  # B learns what the fleet keeps
@@ -448,8 +454,8 @@ def test_the_schema_of_the_hard_example_routes_fuzzed(
 
     from tests.test_fuzz_rest import SCHEMA_EXAMPLES, fuzz
 
-    url, runtime = serve(models={"text": ConfidenceModel()}, redis_url=redis_server.url,
-                         hard_examples_size=5, admin_token=TOKEN)  # fmt: skip
+    url, runtime = serve(models={"text": ConfidenceModel()}, redis__url=redis_server.url,
+                         quality__hard_examples_size=5, server__admin_token=TOKEN)  # fmt: skip
     for text in ("unsure one", "unsure two"):
         runtime.engine.classify("text", text)
     collector_of(runtime).flush()

@@ -10,7 +10,6 @@ import io
 import re
 import zipfile
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +65,10 @@ def served(
         {"task": "photo", "kind": "image-classification", "source": "transformers",
          "path": str(make_image_model(tmp_path / "photo", seed=3)), "backend": "torch"},
     ])  # fmt: skip
-    settings = replace(base_settings, data_dir=tmp_path / "rt", models_config=config, admin_token=TOKEN,
-                       redis_url=redis_server.url, hard_examples_size=50)  # fmt: skip
+    settings = base_settings.changed(
+        server__data_dir=tmp_path / "rt", models__models_config=config, server__admin_token=TOKEN,
+        redis__url=redis_server.url, quality__hard_examples_size=50,
+    )  # fmt: skip
     runtime = build_runtime(settings, model_factory=load_models)
     server = serve_runtime(runtime, port=free_port())
     try:
@@ -109,7 +110,7 @@ def test_label_export_finetune_reload(served: tuple[str, Runtime], tmp_path: Pat
     parquet = tmp_path / "hard-examples-sentiment.parquet"
     parquet.write_bytes(export.content)
 
-    model_dir = runtime.settings.models_config.parent / "sentiment"  # type: ignore[union-attr]
+    model_dir = runtime.settings.models.models_config.parent / "sentiment"  # type: ignore[union-attr]
     monkeypatch.chdir(tmp_path)  # the Trainer's output folder
     run_readme_example("hard-examples-finetune", parquet, model_dir,
                        'export, model_dir = "hard-examples-sentiment.parquet", "/data/models/sentiment"')
@@ -183,7 +184,7 @@ def test_images_kept_as_png_exported_and_fine_tuned(
     labelled = httpx.get(f"{url}/admin/api/hard-examples/export", params={"task": "photo"}, headers=AUTH)
     export = tmp_path / "hard-examples-photo.parquet"
     export.write_bytes(labelled.content)
-    model_dir = runtime.settings.models_config.parent / "photo"  # type: ignore[union-attr]
+    model_dir = runtime.settings.models.models_config.parent / "photo"  # type: ignore[union-attr]
     monkeypatch.chdir(tmp_path)  # the Trainer's output folder
     run_readme_example("hard-examples-finetune-image", export, model_dir,
                        'export, model_dir = "hard-examples-photo.parquet", "/data/models/photo"')

@@ -38,7 +38,7 @@ HEALTHZ_MAX_S = 2.0
 def served(base_settings: Settings, real_models, tmp_path_factory) -> Iterator[Served]:
     """The app as `make run` serves it, with the real models; one for the module."""
     data_dir = tmp_path_factory.mktemp("hostile")
-    overrides = {"max_upload_bytes": UPLOAD_LIMIT, "admin_token": ADMIN_TOKEN}
+    overrides = {"limits__max_upload_bytes": UPLOAD_LIMIT, "server__admin_token": ADMIN_TOKEN}
     with served_app(base_settings, real_models, data_dir, **overrides) as app:
         yield app
 

@@ -26,10 +26,10 @@ from engine.inputs import CanonicalImage, CanonicalText, canonicalize_image, cle
 from settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULTS = Settings()
-MAX_BYTES = DEFAULTS.max_upload_bytes
-MAX_PIXELS = DEFAULTS.max_image_pixels
-MAX_CHARS = DEFAULTS.max_text_chars
+DEFAULTS = Settings.from_env({})
+MAX_BYTES = DEFAULTS.limits.max_upload_bytes
+MAX_PIXELS = DEFAULTS.limits.max_image_pixels
+MAX_CHARS = DEFAULTS.limits.max_text_chars
 
 PHOTOS = ("chelsea.png", "coffee.png", "rocket.jpg", "astronaut.png")
 LOSSLESS_FORMATS = {

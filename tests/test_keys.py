@@ -75,7 +75,7 @@ def shared_redis_runtimes(
     make_runtime: Callable[..., Runtime], real_models: dict[str, Any], redis_server: EmbeddedRedis
 ) -> tuple[Runtime, Runtime]:
     """Two replicas with the real models and one real Redis."""
-    return tuple(make_runtime(models=real_models, redis_url=redis_server.url) for _ in range(2))
+    return tuple(make_runtime(models=real_models, redis__url=redis_server.url) for _ in range(2))
 
 
 @pytest.mark.redis

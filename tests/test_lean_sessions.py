@@ -67,7 +67,7 @@ def mounted(app: Any) -> Any:
 
 @pytest.fixture
 def served(make_runtime) -> Iterator[Served]:
-    runtime = make_runtime(admin_token=TOKEN)
+    runtime = make_runtime(server__admin_token=TOKEN)
     app = build_app(runtime)
     # Every call through Gradio itself, cached ones included: its queue probe is what is tested.
     app.state.cached_calls.enabled = False
@@ -460,7 +460,7 @@ def test_a_signed_in_tab_survives_thousands_of_abandoned_calls(make_runtime) -> 
     from playwright.sync_api import expect, sync_playwright
 
     model = GatedTextModel()
-    app = build_app(make_runtime(models={"text": model}, admin_token=TOKEN))
+    app = build_app(make_runtime(models={"text": model}, server__admin_token=TOKEN))
     queue = mounted(app).get_blocks()._queue
     # As if the flood came from many addresses: one address alone keeps ONE_SHOT_PER_CLIENT.
     mounted(app).state_holder.one_shot_per_client = FLOOD_CALLS

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,8 @@ def config_runtime(base_settings: Settings, tmp_path: Path) -> Iterator[Callable
 
     def start(entries: list[dict[str, Any]], **overrides: Any) -> Runtime:
         config = write_config(tmp_path / f"models{len(built)}.yaml", entries)
-        settings = replace(
-            base_settings, data_dir=tmp_path / f"rt{len(built)}", models_config=config, **overrides
+        settings = base_settings.changed(
+            server__data_dir=tmp_path / f"rt{len(built)}", models__models_config=config, **overrides,
         )
         runtime = build_runtime(settings, model_factory=load_models)
         built.append(runtime)
@@ -135,7 +134,7 @@ def test_a_cased_tokenizer_keeps_case_apart(
 
 
 def test_default_is_the_two_builtins() -> None:
-    assert Settings.from_env({}).models_config is None
+    assert Settings.from_env({}).models.models_config is None
     assert [(s.task, s.source) for s in DEFAULT_SPECS] == [
         ("image", "builtin:efficientnet-lite0"), ("text", "builtin:minilm-intents")
     ]  # fmt: skip
@@ -210,7 +209,7 @@ def test_unreadable_weights_fail_at_start_up_naming_the_entry(
     ])  # fmt: skip
     with pytest.raises(ModelConfigError, match=r"MODELS_CONFIG entry 2 \(task 'sentiment'\): .*broken"):
         load_all(load_config(config), LoadOptions(device="cpu"))
-    settings = replace(base_settings, data_dir=tmp_path / "data", models_config=config)
+    settings = base_settings.changed(server__data_dir=tmp_path / "data", models__models_config=config)
     with pytest.raises(ModelConfigError, match="entry 2"):
         build_runtime(settings, model_factory=load_models)
 

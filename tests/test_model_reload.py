@@ -8,7 +8,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from tests.conftest import CountingTextModel
 from tests.test_model_config import assert_same, own_text_scores
 
 TOKEN = "reload-operator-token"
-FAST = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.1, "generation_confirm_s": 0.5}
+FAST = {"fleet__generation_refresh_s": 0.1, "fleet__heartbeat_s": 0.1, "fleet__generation_confirm_s": 0.5}
 
 
 @pytest.fixture
@@ -40,8 +39,10 @@ def replicas(base_settings: Settings, tmp_path: Path, model_dir: Path) -> Iterat
     built: list[Runtime] = []
 
     def start(name: str = "A", **overrides: Any) -> Runtime:
-        settings = replace(base_settings, data_dir=tmp_path / f"rt-{name}", models_config=config,
-                           replica_id=name, admin_token=TOKEN, **overrides)  # fmt: skip
+        settings = base_settings.changed(
+            server__data_dir=tmp_path / f"rt-{name}", models__models_config=config, server__replica_id=name,
+            server__admin_token=TOKEN, **overrides,
+        )  # fmt: skip
         runtime = build_runtime(settings, model_factory=load_models)
         built.append(runtime)
         return runtime
@@ -125,7 +126,7 @@ def test_requests_in_flight_finish_on_the_old_model(
         SlowModel("v-old", delay_s=0.5, batched=batched),
         SlowModel("v-new", delay_s=0.0, batched=batched),
     )
-    runtime = make_runtime(models={"text": old}, batch_max_size=4)
+    runtime = make_runtime(models={"text": old}, models__batch_max_size=4)
     engine = runtime.engine
     results: dict[str, Any] = {}
     inflight = threading.Thread(target=lambda: results.setdefault("old", engine.classify("text", "slow one")))
@@ -144,8 +145,8 @@ def test_requests_in_flight_finish_on_the_old_model(
 def test_a_reload_reaches_every_replica(
     replicas: Callable[..., Runtime], model_dir: Path, redis_server: EmbeddedRedis
 ) -> None:
-    a = replicas("A", redis_url=redis_server.url, **FAST)
-    b = replicas("B", redis_url=redis_server.url, **FAST)
+    a = replicas("A", redis__url=redis_server.url, **FAST)
+    b = replicas("B", redis__url=redis_server.url, **FAST)
     text = "where is my parcel"
     old = b.engine.classify("sentiment", text)
     assert a.engine.classify("sentiment", text).tier == "l2"  # one shared cache

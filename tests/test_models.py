@@ -320,7 +320,7 @@ DEVICE_NAME = re.compile(r"cpu|cuda:\d+")
 
 
 def test_device_matches_cuda_availability(real_models: dict[str, Any], base_settings: Any) -> None:
-    assert base_settings.device == "auto"
+    assert base_settings.models.device == "auto"
     expected_type = "cuda" if torch.cuda.is_available() else "cpu"
     for task, model in real_models.items():
         assert DEVICE_NAME.fullmatch(model.device), f"{task} device {model.device!r}"

@@ -13,7 +13,6 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +92,7 @@ def test_concurrent_passes_on_one_session_are_each_right(real_models: dict[str, 
 
 
 def test_the_backend_is_shown_in_cache_info_readyz_and_metrics(serve, real_models: dict[str, Any]) -> None:
-    url, runtime = serve(models=real_models, redis_url="off")
+    url, runtime = serve(models=real_models, redis__url="off")
     result = runtime.engine.classify("text", "where is my parcel")
     assert result.cache_info()["backend"] == "onnxruntime"
     assert result.model_version == real_models["text"].version
@@ -189,8 +188,8 @@ def test_auto_means_onnxruntime_on_the_cpu_and_torch_on_cuda() -> None:
     assert onnx_backend.resolve("auto", "cpu") == "onnxruntime"
     assert onnx_backend.resolve("auto", "cuda:0") == "torch"
     assert onnx_backend.resolve("torch", "cpu") == "torch"
-    assert Settings.from_env({}).inference_backend == "auto"
-    assert Settings.from_env({"INFERENCE_BACKEND": "ONNXRuntime"}).inference_backend == "onnxruntime"
+    assert Settings.from_env({}).models.inference_backend == "auto"
+    assert Settings.from_env({"INFERENCE_BACKEND": "ONNXRuntime"}).models.inference_backend == "onnxruntime"
     with pytest.raises(SettingsError, match="INFERENCE_BACKEND"):
         Settings.from_env({"INFERENCE_BACKEND": "tensorrt"})
     assert Settings.from_env({"DATA_DIR": "/d"}).export_dir == Path("/d/onnx")
@@ -246,8 +245,6 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_a_live_reload_serves_the_new_version_on_onnxruntime(base_settings: Settings, tmp_path: Path) -> None:
     """The reload loads, exports and probes the new weights (engine.models.loader.build_model)
     before the lifecycle swaps them in: the first answer after the swap is onnxruntime's."""
-    from dataclasses import replace
-
     from runtime import build_runtime, load_models
 
     folder = make_text_model(tmp_path / "model", seed=0)
@@ -255,8 +252,10 @@ def test_a_live_reload_serves_the_new_version_on_onnxruntime(base_settings: Sett
         {"task": "t", "kind": "text-classification", "source": "transformers", "path": str(folder)},
     ])  # fmt: skip
     exports = tmp_path / "onnx"
-    settings = replace(base_settings, data_dir=tmp_path / "rt", models_config=config,
-                       onnx_export_dir=exports, inference_backend="onnxruntime")  # fmt: skip
+    settings = base_settings.changed(
+        server__data_dir=tmp_path / "rt", models__models_config=config, models__onnx_export_dir=exports,
+        models__inference_backend="onnxruntime",
+    )  # fmt: skip
     with build_runtime(settings, model_factory=load_models) as runtime:
         old = runtime.engine.models["t"]
         assert old.backend == "onnxruntime"
@@ -344,7 +343,7 @@ def test_the_runtime_sets_torchs_threads_from_the_models_it_serves(
     from runtime import build_runtime
 
     before = torch.get_num_threads()
-    settings = replace(base_settings, data_dir=tmp_path / "data")
+    settings = base_settings.changed(server__data_dir=tmp_path / "data")
     with build_runtime(settings, models=dict(real_models)) as runtime:
         assert all(m.backend == "onnxruntime" for m in real_models.values())
         assert torch.get_num_threads() == 1 and runtime.torch_threads is not None

@@ -35,8 +35,8 @@ def test_a_share_leaves_room_for_a_newcomer_whatever_the_number_of_clients() -> 
 @pytest.fixture
 def default_server(make_runtime, real_models) -> Iterator[tuple[str, Runtime]]:
     defaults = Settings.from_env({})
-    runtime = make_runtime(models=real_models, client_miss_rate=defaults.client_miss_rate,
-                           client_miss_burst=defaults.client_miss_burst)  # fmt: skip
+    runtime = make_runtime(models=real_models, fairness__client_miss_rate=defaults.fairness.client_miss_rate,
+                           fairness__client_miss_burst=defaults.fairness.client_miss_burst)  # fmt: skip
     server = serve_runtime(runtime, port=free_port())
     yield server.url, runtime
     server.close()

@@ -42,7 +42,7 @@ def runtime_on(make_runtime) -> Callable[[EmbeddedRedis], tuple[Runtime, Countin
     def build(server: EmbeddedRedis) -> tuple[Runtime, CountingTextModel]:
         model = CountingTextModel(delay_s=MODEL_DELAY_S)
         runtime = make_runtime(
-            models={"text": model}, redis_url=server.url, redis_socket_timeout_s=SOCKET_TIMEOUT_S
+            models={"text": model}, redis__url=server.url, redis__socket_timeout_s=SOCKET_TIMEOUT_S
         )
         return runtime, model
 
@@ -133,7 +133,7 @@ def test_app_starts_with_redis_unreachable_and_l2_joins_later(make_runtime, redi
     port = free_port()
     model = CountingTextModel()
     runtime = make_runtime(
-        models={"text": model}, redis_url=f"redis://127.0.0.1:{port}/0", redis_socket_timeout_s=0.2
+        models={"text": model}, redis__url=f"redis://127.0.0.1:{port}/0", redis__socket_timeout_s=0.2
     )
     assert runtime.engine.classify("text", "before redis").tier == "miss"
     server = EmbeddedRedis(data_dir=tmp_path / "late", maxmemory_mb=16, binary=redis_binary, port=port,

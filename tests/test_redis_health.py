@@ -51,7 +51,9 @@ def fill(client: redis.Redis, share: float) -> None:
 
 
 def test_memory_limit_policy_evictions_in_metrics_and_warnings(serve, redis_server: EmbeddedRedis) -> None:
-    url, runtime = serve(models={"text": CountingTextModel()}, redis_url=redis_server.url, admin_token=TOKEN)
+    url, runtime = serve(
+        models={"text": CountingTextModel()}, redis__url=redis_server.url, server__admin_token=TOKEN,
+    )
     runtime.engine.classify("text", "hello")
     client = redis.Redis.from_url(redis_server.url)
     try:
@@ -86,14 +88,14 @@ def test_memory_limit_policy_evictions_in_metrics_and_warnings(serve, redis_serv
 
 
 def test_without_l2_there_is_no_redis_to_watch(serve) -> None:
-    url, _ = serve(models={"text": CountingTextModel()}, redis_url="off", admin_token=TOKEN)
+    url, _ = serve(models={"text": CountingTextModel()}, redis__url="off", server__admin_token=TOKEN)
     status, body = get(url + "/admin/api/health")
     assert status == 200 and body["redis"] == {"enabled": False, "warn_ratio": 0.7}
     assert not any(name.startswith("infcache_redis_") for name in metric_samples(url))
 
 
 def test_gpu_figures_on_cuda_and_a_plain_statement_on_the_cpu(serve) -> None:
-    url, _ = serve(models={"text": CountingTextModel()}, redis_url="off", admin_token=TOKEN)
+    url, _ = serve(models={"text": CountingTextModel()}, redis__url="off", server__admin_token=TOKEN)
     gpu = get(url + "/admin/api/health")[1]["gpu"]
     gpu_metrics = {n for n in metric_samples(url) if n.startswith("infcache_gpu_")}
     if cuda_available():
@@ -111,7 +113,9 @@ def cluster(redis_binary: str) -> Iterator[LocalCluster]:
 
 
 def test_every_primary_of_a_cluster_is_reported(serve, cluster: LocalCluster) -> None:
-    url, runtime = serve(models={"text": CountingTextModel()}, redis_url=cluster.url, admin_token=TOKEN)
+    url, runtime = serve(
+        models={"text": CountingTextModel()}, redis__url=cluster.url, server__admin_token=TOKEN,
+    )
     for i in range(30):
         runtime.engine.classify("text", f"spread {i}")
     nodes = {f"127.0.0.1:{port}" for port in cluster.ports}

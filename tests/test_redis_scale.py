@@ -11,7 +11,6 @@ import itertools
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import pytest
 import redis
@@ -113,7 +112,7 @@ def test_redis_url_forms(url: str, kind: str, nodes: tuple, service: str | None,
     target = parse_redis_url(url)
     got = (target.kind, target.nodes, target.service, target.db, target.tls)
     assert got == (kind, nodes, service, db, tls)
-    assert Settings.from_env({"REDIS_URL": url}).redis_url == url
+    assert Settings.from_env({"REDIS_URL": url}).redis.url == url
 
 
 def test_redis_url_credentials_are_decoded_and_never_shown() -> None:
@@ -256,7 +255,7 @@ def test_cluster_down_at_start_up_fails_calls_not_the_app(make_runtime: Callable
     from testing.redis_servers import free_ports
 
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
-    runtime = make_runtime(redis_url=url, redis_socket_timeout_s=0.2)  # nothing listens there
+    runtime = make_runtime(redis__url=url, redis__socket_timeout_s=0.2)  # nothing listens there
     store = runtime.engine.l2_store()
     assert store is not None
     with pytest.raises(CacheUnavailableError):
@@ -274,7 +273,7 @@ def test_engine_on_a_cluster_shares_answers_generation_flush_and_node_counts(
     make_runtime: Callable[..., Runtime], cluster: LocalCluster
 ) -> None:
     models = [CountingTextModel(cheap=False), CountingTextModel(cheap=False)]  # aliases go to L2 too
-    first, second = (make_runtime(models={"text": m}, redis_url=cluster.url) for m in models)
+    first, second = (make_runtime(models={"text": m}, redis__url=cluster.url) for m in models)
     first.engine.flush("all")
     texts = [f"where is parcel {i}?" for i in range(12)]
     assert {first.engine.classify("text", t).tier for t in texts} == {"miss"}
@@ -325,7 +324,7 @@ def test_a_dead_primary_costs_only_its_slots(make_runtime: Callable[..., Runtime
                 store.clear()  # the others are cleared all the same
             assert sum(n or 0 for n in store.key_counts().values()) == 0
             # An engine on the same cluster answers everything; keys of live primaries from L2.
-            runtime = make_runtime(models={"text": CountingTextModel()}, redis_url=local.url)
+            runtime = make_runtime(models={"text": CountingTextModel()}, redis__url=local.url)
             tiers = [runtime.engine.classify("text", f"message {i}").tier for i in range(20)]
             assert tiers.count("miss") == 20
             runtime.engine.flush("l1")
@@ -355,10 +354,11 @@ def test_the_fleet_works_on_a_cluster_and_through_sentinel(
     (engine/fleet/member.py, storage/redis/fleet.py) through `store.client` on both new forms."""
     url = request.getfixturevalue(topology).url
     # Heartbeats fast enough for a short test, slow enough for a busy 2-CPU machine.
-    fast = {"generation_refresh_s": 0.1, "fleet_heartbeat_s": 0.4, "generation_confirm_s": 2.0}
+    fast = {"fleet__generation_refresh_s": 0.1, "fleet__heartbeat_s": 0.4, "fleet__generation_confirm_s": 2.0}
     models = {name: CountingTextModel() for name in ("a", "b")}
     first, second = (
-        make_runtime(models={"text": models[name]}, redis_url=url, replica_id=f"{topology}-{name}", **fast)
+        make_runtime(models={"text": models[name]}, redis__url=url, server__replica_id=f"{topology}-{name}",
+                     **fast)
         for name in ("a", "b")
     )
     ids = {f"{topology}-a", f"{topology}-b"}
@@ -409,7 +409,7 @@ def test_sentinel_failover_is_followed_without_a_restart(
     make_runtime: Callable[..., Runtime], sentinel: LocalSentinel, base_settings: Settings
 ) -> None:
     models = [CountingTextModel(), CountingTextModel()]
-    first, second = (make_runtime(models={"text": m}, redis_url=sentinel.url) for m in models)
+    first, second = (make_runtime(models={"text": m}, redis__url=sentinel.url) for m in models)
     first.engine.flush("all")
     assert first.engine.classify("text", "before the failover").tier == "miss"
     assert second.engine.classify("text", "before the failover").tier == "l2"
@@ -434,12 +434,12 @@ def test_sentinel_failover_is_followed_without_a_restart(
             time.sleep(0.1)
         generation = first.engine.bump_generation()
         # At least the bump (a replica may lift a value the old primary lost, never lower it).
-        assert int(primary.get(f"{base_settings.cache_prefix}:meta:generation") or 0) >= generation
+        assert int(primary.get(f"{base_settings.cache.prefix}:meta:generation") or 0) >= generation
     finally:
         primary.close()
     wait_for(lambda: second.engine.generation >= generation, "the other engine to read the new generation")
 
 
 def test_settings_object_keeps_the_url_as_given(cluster: LocalCluster) -> None:
-    settings = replace(Settings.from_env({"REDIS_URL": cluster.url}))
-    assert settings.redis_url == cluster.url and not settings.l2_disabled
+    settings = Settings.from_env({"REDIS_URL": cluster.url})
+    assert settings.redis.url == cluster.url and not settings.redis.l2_disabled

@@ -11,7 +11,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -66,7 +66,7 @@ def real_served(
     redis = EmbeddedRedis(data_dir=folder / "redis", maxmemory_mb=64, binary=redis_binary, port=free_port(),
                           save=False)  # fmt: skip
     redis.start()
-    runtime = build_runtime(replace(base_settings, data_dir=folder / "data", redis_url=redis.url),
+    runtime = build_runtime(base_settings.changed(server__data_dir=folder / "data", redis__url=redis.url),
                             models=real_models)  # fmt: skip
     server, served = _serve(runtime)
     try:
@@ -645,7 +645,7 @@ def test_direct_infer_takes_exactly_the_infer_routes(make_runtime, method, path,
 
 def test_the_fastapi_routes_answer_as_the_direct_path(make_runtime) -> None:
     """Another server (no ServingApp in front) reaches the same handler through FastAPI."""
-    runtime = make_runtime(max_upload_bytes=SMALL_UPLOAD)
+    runtime = make_runtime(limits__max_upload_bytes=SMALL_UPLOAD)
     direct_server, direct = _serve(runtime)
     with BackgroundServer(build_app(runtime), port=free_port()) as routed_server:
         first = direct.post("/v2/models/text/infer", json=json_body(["routed twice"])).json()

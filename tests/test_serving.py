@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +86,7 @@ class GatedStart:
 
 @pytest.fixture
 def gated_server(base_settings: Settings, tmp_path: Path) -> Iterator[tuple[str, GatedStart, ServingApp]]:
-    settings = replace(base_settings, data_dir=tmp_path / "gated")
+    settings = base_settings.changed(server__data_dir=tmp_path / "gated")
     gate = GatedStart(lambda s: build_runtime(s, models={"text": CountingTextModel()}))
     serving = ServingApp(settings, build_runtime=gate, build_app=build_app)
     server = BackgroundServer(serving, port=free_port()).start()
@@ -131,7 +130,7 @@ def test_shutdown_closes_the_runtime_it_built(base_settings: Settings, tmp_path:
         runtime._stack.callback(closed.set)
         return runtime
 
-    settings = replace(base_settings, data_dir=tmp_path / "s")
+    settings = base_settings.changed(server__data_dir=tmp_path / "s")
     serving = ServingApp(settings, build_runtime=make, build_app=build_app)
     with BackgroundServer(serving, port=free_port()) as server:
         poll(lambda: httpx.get(server.url + "/readyz").status_code == 200, "ready")
@@ -145,7 +144,7 @@ def test_failed_start_is_reported_not_hidden(base_settings: Settings, tmp_path: 
         raise RuntimeError("weights missing")
 
     serving = ServingApp(
-        replace(base_settings, data_dir=tmp_path / "f"), build_runtime=broken, build_app=build_app,
+        base_settings.changed(server__data_dir=tmp_path / "f"), build_runtime=broken, build_app=build_app,
         on_failure=failures.append,
     )  # fmt: skip
     with BackgroundServer(serving, port=free_port()) as server:
@@ -162,8 +161,10 @@ def test_ready_waits_for_redis_then_shares_it(
     port = free_port()
     redis = EmbeddedRedis(data_dir=tmp_path / "late-redis", maxmemory_mb=16, binary=redis_binary, port=port,
                           save=False)  # fmt: skip
-    settings = replace(base_settings, data_dir=tmp_path / "r", redis_url=f"redis://127.0.0.1:{port}/0",
-                       ready_l2_wait_s=WAIT_S)  # fmt: skip
+    settings = base_settings.changed(
+        server__data_dir=tmp_path / "r", redis__url=f"redis://127.0.0.1:{port}/0",
+        server__ready_l2_wait_s=WAIT_S,
+    )  # fmt: skip
     serving = ServingApp(
         settings, build_runtime=lambda s: build_runtime(s, models={"text": CountingTextModel()}),
         build_app=build_app,
@@ -188,7 +189,7 @@ def test_ready_waits_for_redis_then_shares_it(
 
 def test_concurrent_text_misses_share_forward_passes_through_http(serve) -> None:
     model = BatchingTextModel(delay_s=0.3)
-    url, runtime = serve(models={"text": model}, batch_max_size=8)
+    url, runtime = serve(models={"text": model}, models__batch_max_size=8)
     messages = [f"parcel number {i} is late" for i in range(12)]
     with ThreadPoolExecutor(len(messages)) as pool:
         infos = list(pool.map(lambda m: call_text(url, m), messages))
@@ -203,7 +204,7 @@ def test_concurrent_text_misses_share_forward_passes_through_http(serve) -> None
 
 def test_identical_burst_coalesces_in_the_engine(serve) -> None:
     model = BatchingTextModel(delay_s=0.5)
-    url, _ = serve(models={"text": model}, batch_max_size=8)
+    url, _ = serve(models={"text": model}, models__batch_max_size=8)
     with ThreadPoolExecutor(8) as pool:
         tiers = list(pool.map(lambda _: call_text(url, "my card was charged twice")["tier"], range(8)))
     assert model.calls == 1
@@ -212,7 +213,7 @@ def test_identical_burst_coalesces_in_the_engine(serve) -> None:
 
 def test_misses_of_a_model_that_does_not_batch_run_up_to_its_limit(serve) -> None:
     model = RendezvousModel(parties=2)
-    url, runtime = serve(models={"text": model}, miss_concurrency_cpu=2)
+    url, runtime = serve(models={"text": model}, models__miss_concurrency_cpu=2)
     assert runtime.engine.admission_limit("text") == 2
     with ThreadPoolExecutor(2) as pool:
         infos = list(pool.map(lambda m: call_text(url, m), ["first new message", "second new message"]))
@@ -221,7 +222,7 @@ def test_misses_of_a_model_that_does_not_batch_run_up_to_its_limit(serve) -> Non
 
 def test_hits_never_wait_behind_misses(serve) -> None:
     model = BatchingTextModel()
-    url, _ = serve(models={"text": model}, batch_max_size=2)
+    url, _ = serve(models={"text": model}, models__batch_max_size=2)
     call_text(url, "cached already")
     model.delay_s = 3.0
     order: list[str] = []

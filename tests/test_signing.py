@@ -74,11 +74,11 @@ def test_signing_keys_shorter_than_32_bytes_are_refused() -> None:
 
 def test_settings_read_one_key_or_a_rotation_list_and_never_show_them() -> None:
     one = Settings.from_env({"CACHE_SIGNING_KEY": K1.decode()})
-    assert one.cache_signing_keys == (K1.decode(),)
+    assert one.cache.signing_keys == (K1.decode(),)
     both = Settings.from_env({"CACHE_SIGNING_KEYS": f"{K2.decode()}, {K1.decode()}"})
-    assert both.cache_signing_keys == (K2.decode(), K1.decode())
+    assert both.cache.signing_keys == (K2.decode(), K1.decode())
     assert K1.decode() not in repr(both) and K2.decode() not in repr(both)
-    assert Settings.from_env({}).cache_signing_keys == ()
+    assert Settings.from_env({}).cache.signing_keys == ()
     with pytest.raises(SettingsError, match="at least 32 bytes") as short:
         Settings.from_env({"CACHE_SIGNING_KEYS": f"{K1.decode()},tooshort"})
     assert "tooshort" not in str(short.value)  # a secret never goes into a message
@@ -87,8 +87,8 @@ def test_settings_read_one_key_or_a_rotation_list_and_never_show_them() -> None:
 
 
 def test_shadow_sample_rate_defaults_to_one_percent_and_must_be_a_share() -> None:
-    assert Settings.from_env({}).shadow_sample_rate == 0.01
-    assert Settings.from_env({"SHADOW_SAMPLE_RATE": "0"}).shadow_sample_rate == 0.0
+    assert Settings.from_env({}).quality.shadow_sample_rate == 0.01
+    assert Settings.from_env({"SHADOW_SAMPLE_RATE": "0"}).quality.shadow_sample_rate == 0.0
     with pytest.raises(SettingsError, match="between 0 and 1"):
         Settings.from_env({"SHADOW_SAMPLE_RATE": "1.5"})
 
@@ -97,7 +97,7 @@ def test_shadow_sample_rate_defaults_to_one_percent_and_must_be_a_share() -> Non
 
 
 def _signed(make_runtime: Callable[..., Runtime], server: EmbeddedRedis, *keys: bytes, **kw: Any) -> Runtime:
-    return make_runtime(redis_url=server.url, cache_signing_keys=tuple(k.decode() for k in keys), **kw)
+    return make_runtime(redis__url=server.url, cache__signing_keys=tuple(k.decode() for k in keys), **kw)
 
 
 def test_a_forged_value_is_refused_deleted_counted_and_recomputed(

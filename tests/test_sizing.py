@@ -172,8 +172,10 @@ def get(url: str, token: str | None = TOKEN) -> tuple[int, Any]:
 
 
 def test_engine_feeds_the_sampler_and_the_api_answers(serve, redis_server: EmbeddedRedis) -> None:
-    url, runtime = serve(models={"text": CountingTextModel()}, redis_url=redis_server.url, admin_token=TOKEN,
-                         cache_l1_max_bytes=50_000)  # fmt: skip
+    url, runtime = serve(
+        models={"text": CountingTextModel()}, redis__url=redis_server.url, server__admin_token=TOKEN,
+        cache__l1_max_bytes=50_000,
+    )  # fmt: skip
     engine = runtime.engine
     for i in range(300):
         engine.classify("text", f"message {i % 60}")  # 60 inputs, each five times
@@ -279,7 +281,7 @@ def test_the_queue_is_bounded_and_an_overflow_lowers_the_rate() -> None:
 def test_sizing_cpu_share_setting() -> None:
     from settings import Settings, SettingsError
 
-    assert Settings.from_env({}).sizing_cpu_share == 0.02
-    assert Settings.from_env({"SIZING_CPU_SHARE": "0.05"}).sizing_cpu_share == 0.05
+    assert Settings.from_env({}).console.sizing_cpu_share == 0.02
+    assert Settings.from_env({"SIZING_CPU_SHARE": "0.05"}).console.sizing_cpu_share == 0.05
     with pytest.raises(SettingsError):
         Settings.from_env({"SIZING_CPU_SHARE": "2"})

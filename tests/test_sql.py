@@ -280,8 +280,12 @@ class TestQueries:
 def test_replicas_sharing_a_database_are_all_counted(make_runtime, database_url: str) -> None:
     """Two replicas, one database: the console of either counts both, each row names its replica,
     and each audit row names the replica that acted."""
-    a = make_runtime(models={"text": CountingTextModel()}, database_url=database_url, replica_id="replica-a")
-    b = make_runtime(models={"text": CountingTextModel()}, database_url=database_url, replica_id="replica-b")
+    a = make_runtime(
+        models={"text": CountingTextModel()}, log__database_url=database_url, server__replica_id="replica-a",
+    )
+    b = make_runtime(
+        models={"text": CountingTextModel()}, log__database_url=database_url, server__replica_id="replica-b",
+    )
     for message in ["one", "two", "one"]:
         a.engine.classify("text", message)
     for message in ["three", "three"]:
@@ -302,7 +306,7 @@ def test_console_says_the_log_is_unavailable_while_postgresql_is_down(make_runti
     from testing.postgres_server import PostgresServer
 
     with PostgresServer() as server:
-        runtime = make_runtime(models={"text": CountingTextModel()}, database_url=server.url())
+        runtime = make_runtime(models={"text": CountingTextModel()}, log__database_url=server.url())
         runtime.engine.classify("text", "before")
         assert runtime.admin.stats("1h")["summary"]["total"] == 1
         server.stop("immediate")

@@ -38,11 +38,11 @@ def test_inspect_shows_one_entry_and_evict_removes_it_from_both_tiers_with_an_au
     make_runtime: Callable[..., Runtime],
     redis_server: EmbeddedRedis,
 ) -> None:
-    url, runtime = serve(redis_url=redis_server.url, admin_token=TOKEN, cache_signing_keys=(K1,))
+    url, runtime = serve(redis__url=redis_server.url, server__admin_token=TOKEN, cache__signing_keys=(K1,))
     engine = runtime.engine
     first = engine.classify("text", "  Where is my PARCEL? ")
     # Another replica on the same Redis, holding the answer in its own L1.
-    other = make_runtime(redis_url=redis_server.url, cache_signing_keys=(K1,)).engine
+    other = make_runtime(redis__url=redis_server.url, cache__signing_keys=(K1,)).engine
     assert other.classify("text", "Where is my PARCEL?").tier == "l2"
     assert other.classify("text", "Where is my PARCEL?").tier == "l1"
     body = {"task": "text", "input": "Where is my PARCEL?"}  # the same canonical text
@@ -58,7 +58,7 @@ def test_inspect_shows_one_entry_and_evict_removes_it_from_both_tiers_with_an_au
     report = seen.json()
     assert report["key"] == first.key
     assert report["in_l1"] is True and report["l2"] == "valid"
-    assert 0 < report["l2_ttl_s"] <= runtime.settings.cache_ttl_s
+    assert 0 < report["l2_ttl_s"] <= runtime.settings.cache.ttl_s
     assert 0 <= report["age_s"] < 60
     assert report["answer"] == first.prediction.to_plain()
     assert report["answer_model_version"] == report["model_version"] == first.model_version
@@ -102,7 +102,7 @@ def test_inspect_shows_one_entry_and_evict_removes_it_from_both_tiers_with_an_au
 def test_bad_entry_bodies_get_a_clear_error_and_change_nothing(
     serve: Callable[..., tuple[str, Runtime]], body: dict[str, Any], status: int, words: str
 ) -> None:
-    url, runtime = serve(admin_token=TOKEN)
+    url, runtime = serve(server__admin_token=TOKEN)
     for path in ("/admin/api/inspect", "/admin/api/evict"):
         response = _admin(url, path, body)
         assert response.status_code == status, response.text
@@ -115,7 +115,7 @@ def test_an_uploaded_image_is_inspected_by_its_decoded_pixels(
     real_models: dict[str, Any],
     photo_bytes: Callable[[str], bytes],
 ) -> None:
-    url, runtime = serve(models={"image": real_models["image"]}, admin_token=TOKEN)
+    url, runtime = serve(models={"image": real_models["image"]}, server__admin_token=TOKEN)
     png = photo_bytes("chelsea.png")
     first = runtime.engine.classify("image", png)
     report = _admin(
@@ -135,7 +135,9 @@ def test_an_uploaded_image_is_inspected_by_its_decoded_pixels(
 def test_a_planted_wrong_answer_with_a_valid_signature_is_detected_and_evicted(
     make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis
 ) -> None:
-    runtime = make_runtime(redis_url=redis_server.url, cache_signing_keys=(K1,), shadow_sample_rate=1.0)
+    runtime = make_runtime(
+        redis__url=redis_server.url, cache__signing_keys=(K1,), quality__shadow_sample_rate=1.0,
+    )
     engine, shadow = runtime.engine, runtime.engine.shadow
     assert shadow is not None
     right = engine.classify("text", "cancel my order")
@@ -196,7 +198,7 @@ def test_shadow_checks_wait_until_the_model_is_idle() -> None:
 
 
 def test_shadow_sampling_is_off_at_rate_zero(make_runtime: Callable[..., Runtime]) -> None:
-    runtime = make_runtime(shadow_sample_rate=0.0)
+    runtime = make_runtime(quality__shadow_sample_rate=0.0)
     assert runtime.engine.shadow is None
     assert b"infcache_shadow_checks" not in runtime.metrics.render()
 

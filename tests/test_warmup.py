@@ -8,7 +8,6 @@ import io
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +68,8 @@ def test_hot_inputs_kept_bounded_and_recomputed_after_a_bump(
     make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis
 ) -> None:
     model = CountingTextModel("v1")
-    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url, warm_set_size=3,
-                           warm_set_ttl_s=600)  # fmt: skip
+    runtime = make_runtime(models={"text": model}, redis__url=redis_server.url, warmup__size=3,
+                           warmup__ttl_s=600)  # fmt: skip
     warm_set = runtime.warm_set
     assert warm_set is not None
     users = send_traffic(runtime)
@@ -110,7 +109,9 @@ def test_hot_inputs_kept_bounded_and_recomputed_after_a_bump(
 def test_a_reload_warms_the_new_version(base_settings: Settings, tmp_path: Path,
                                         redis_server: EmbeddedRedis) -> None:  # fmt: skip
     new = CountingTextModel("v2")
-    settings = replace(base_settings, data_dir=tmp_path / "rt", redis_url=redis_server.url, warm_set_size=3)
+    settings = base_settings.changed(
+        server__data_dir=tmp_path / "rt", redis__url=redis_server.url, warmup__size=3,
+    )
     with build_runtime(
         settings, models={"text": CountingTextModel("v1")}, model_loader=lambda _task: new
     ) as rt:
@@ -131,8 +132,8 @@ def test_a_reload_warms_the_new_version(base_settings: Settings, tmp_path: Path,
 
 def test_warm_set_size_zero_keeps_nothing(make_runtime: Callable[..., Runtime],
                                           redis_server: EmbeddedRedis) -> None:  # fmt: skip
-    runtime = make_runtime(redis_url=redis_server.url)
-    assert runtime.settings.warm_set_size == 0 and runtime.warm_set is None
+    runtime = make_runtime(redis__url=redis_server.url)
+    assert runtime.settings.warmup.size == 0 and runtime.warm_set is None
     send_traffic(runtime)
     runtime.engine.bump_generation()
     client = redis.Redis.from_url(redis_server.url)
@@ -147,7 +148,7 @@ def test_window_counts_and_the_api(
     serve: Callable[..., tuple[str, Runtime]], redis_server: EmbeddedRedis
 ) -> None:
     """The top N adds this window's hits to the last one's; older windows no longer count."""
-    url, runtime = serve(redis_url=redis_server.url, warm_set_size=1, admin_token=TOKEN)
+    url, runtime = serve(redis__url=redis_server.url, warmup__size=1, server__admin_token=TOKEN)
     now = [10_000.0]
     store = runtime.engine.l2_store()
     assert store is not None
@@ -210,7 +211,7 @@ def test_the_warm_up_waits_for_live_requests(
     make_runtime: Callable[..., Runtime], redis_server: EmbeddedRedis
 ) -> None:
     model = CountingTextModel("v1")
-    runtime = make_runtime(models={"text": model}, redis_url=redis_server.url, warm_set_size=2)
+    runtime = make_runtime(models={"text": model}, redis__url=redis_server.url, warmup__size=2)
     warm_set = runtime.warm_set
     assert warm_set is not None
     for _ in range(2):
@@ -241,7 +242,7 @@ def test_the_warm_set_works_on_a_redis_cluster(
 
     with LocalCluster() as cluster:
         model = CountingTextModel("v1")
-        runtime = make_runtime(models={"text": model}, redis_url=cluster.url, warm_set_size=3)
+        runtime = make_runtime(models={"text": model}, redis__url=cluster.url, warmup__size=3)
         warm_set = runtime.warm_set
         assert warm_set is not None
         send_traffic(runtime)

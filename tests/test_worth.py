@@ -29,8 +29,10 @@ def get_text(url: str, token: str | None = TOKEN) -> tuple[int, str, str]:
 def test_worth_verdict_and_csv_from_the_request_log(
     serve, redis_server: EmbeddedRedis, database_url: str
 ) -> None:
-    url, runtime = serve(models={"text": CountingTextModel(delay_s=0.05)}, redis_url=redis_server.url,
-                         admin_token=TOKEN, database_url=database_url, model_cost_per_hour=36.0)  # fmt: skip
+    url, runtime = serve(
+        models={"text": CountingTextModel(delay_s=0.05)}, redis__url=redis_server.url,
+        server__admin_token=TOKEN, log__database_url=database_url, console__model_cost_per_hour=36.0,
+    )  # fmt: skip
     for message in ["a", "a", "a", "b", "b", "c"]:
         runtime.engine.classify("text", message)
     status, body = get(url + "/admin/api/worth?window=24h")
@@ -69,7 +71,9 @@ def test_verdicts_in_plain_words() -> None:
 
 
 def test_low_repeat_says_caching_gains_little(make_runtime, database_url: str) -> None:
-    runtime = make_runtime(models={"text": CountingTextModel()}, redis_url="off", database_url=database_url)
+    runtime = make_runtime(
+        models={"text": CountingTextModel()}, redis__url="off", log__database_url=database_url,
+    )
     before = runtime.insights.worth("1h")["overall"]["verdict"]
     assert before.startswith("No answered requests in the last 1 h")
     for i in range(20):

@@ -62,7 +62,8 @@ class HeaderLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HeaderLimits:
-        return cls(settings.max_header_bytes, settings.max_header_count, settings.max_url_bytes)
+        limits = settings.limits
+        return cls(limits.max_header_bytes, limits.max_header_count, limits.max_url_bytes)
 
 
 class _HeadRefused(Exception):
@@ -194,9 +195,9 @@ class BodyLimits:
     @classmethod
     def from_settings(cls, settings: Settings) -> BodyLimits:
         return cls(
-            gradio=settings.max_gradio_body_bytes,
-            upload=settings.max_upload_bytes + UPLOAD_FORM_ALLOWANCE,
-            admin_entry=oip_body_limit(settings.max_upload_bytes),
+            gradio=settings.limits.max_gradio_body_bytes,
+            upload=settings.limits.max_upload_bytes + UPLOAD_FORM_ALLOWANCE,
+            admin_entry=oip_body_limit(settings.limits.max_upload_bytes),
         )
 
     def for_path(self, path: str) -> tuple[int, str] | None:

@@ -57,13 +57,13 @@ def build_app(runtime: Runtime) -> FastAPI:
     )
     if runtime.insights is not None:  # sizing, worth, health, CSV downloads (admin.insights.api)
         app.include_router(build_insights_router(insights=runtime.insights, auth=runtime.auth))
-    oip_limit = oip_body_limit(settings.max_upload_bytes)
+    oip_limit = oip_body_limit(settings.limits.max_upload_bytes)
     app.include_router(build_oip_router(engine, max_body_bytes=oip_limit))
     # REST infer calls skip FastAPI's routing and middleware when served by ServingApp.
     app.state.direct_routes = (DirectInfer(engine, max_body_bytes=oip_limit),)
     demo = build_demo(
         engine,
-        max_upload_bytes=settings.max_upload_bytes,
+        max_upload_bytes=settings.limits.max_upload_bytes,
         admin_tab=lambda: build_admin_tab(
             runtime.admin, runtime.auth, clients=runtime.client_activity, insights=runtime.insights
         ),
@@ -76,7 +76,7 @@ def build_app(runtime: Runtime) -> FastAPI:
         path="",
         # The browser refuses a larger file before uploading it, with Gradio's message; an API
         # client gets 413 from ui.limits (the upload route's body limit).
-        max_file_size=settings.max_upload_bytes,
+        max_file_size=settings.limits.max_upload_bytes,
         ssr_mode=False,
         footer_links=["api"],
         css=CARD_CSS + PHONE_CSS,
@@ -103,7 +103,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     # The other requests Gradio would fail with a 500 are refused before its routes. Last in
     # the list: inside Gradio's CORS middleware, so refusals carry the CORS headers its own do.
     refused_calls = RefusedCalls()  # a /call's refused input: its GET's error event (ui.cached_calls)
-    guard = Middleware(GradioGuard, blocks=demo, max_body_bytes=settings.max_gradio_body_bytes,
+    guard = Middleware(GradioGuard, blocks=demo, max_body_bytes=settings.limits.max_gradio_body_bytes,
                        refused_calls=refused_calls)  # fmt: skip
     gradio_app.user_middleware.append(guard)
     gradio_app.user_middleware.append(Middleware(ApiSnippets))  # the API page's bash snippets run as printed
@@ -114,7 +114,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     QueueShares(demo._queue, holder).install()  # one address cannot fill the queue for the others
     # Cached answers of the two-step HTTP API skip Gradio's routing and queue (see ui.cached_calls):
     # a middleware of the Gradio app just inside its CORS middleware, in front of the guard.
-    apis = _cached_call_apis(demo, engine, settings.max_upload_bytes)
+    apis = _cached_call_apis(demo, engine, settings.limits.max_upload_bytes)
     shortcut = CachedCalls(gradio_app, engine, apis, refused=refused_calls)
     shortcut.install()
     app.state.cached_calls = shortcut
@@ -149,7 +149,8 @@ def _private_data_paths(settings: Settings) -> list[str]:
     # Not DATA_DIR as a whole: an operator may put Gradio's upload folder (GRADIO_TEMP_DIR)
     # under it, and a blocked path wins over the upload folder.
     sqlite = settings.sqlite_path.resolve()
-    return [str(sqlite), f"{sqlite}-wal", f"{sqlite}-shm", str((settings.data_dir / REDIS_SUBDIR).resolve())]
+    redis = settings.server.data_dir / REDIS_SUBDIR
+    return [str(sqlite), f"{sqlite}-wal", f"{sqlite}-shm", str(redis.resolve())]
 
 
 async def _refuse_path(request: Request, error: Exception) -> JSONResponse:
@@ -272,7 +273,7 @@ def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -
     # Open event streams (a browser tab, a gradio_client) must not hold a redeploy hostage.
     config = uvicorn.Config(
         # Warnings only: ui.startup logs the one "ready: serving on" line a newcomer needs.
-        serving, host=settings.host, port=settings.port, log_level="warning", lifespan="on",
+        serving, host=settings.server.host, port=settings.server.port, log_level="warning", lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=limited_http_protocol(HeaderLimits.from_settings(settings)),
         # Who a request is from (the miss budget's identity) is ServingApp's to say, with the

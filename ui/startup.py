@@ -54,22 +54,23 @@ LOADING_PAGE = """<!doctype html>
 
 def local_url(settings: Settings) -> str:
     """The address a person on this machine opens (a wildcard bind is reached as localhost)."""
-    host = settings.host
+    host = settings.server.host
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = "localhost"
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 address in a URL
-    return f"http://{host}:{settings.port}/"
+    return f"http://{host}:{settings.server.port}/"
 
 
 def start_lines(settings: Settings) -> list[str]:
     """The last lines of a start: where the files are, then the URL to open."""
-    database = redact_url(settings.database_url) if settings.database_url else settings.sqlite_path.resolve()
-    token = ("ADMIN_TOKEN" if settings.admin_token is not None
+    database = (redact_url(settings.log.database_url) if settings.log.database_url
+                else settings.sqlite_path.resolve())  # fmt: skip
+    token = ("ADMIN_TOKEN" if settings.server.admin_token is not None
              else "the token printed above (set ADMIN_TOKEN to choose one)")  # fmt: skip
     return [
-        f"data directory: {settings.data_dir.resolve()}; ONNX exports: {settings.export_dir.resolve()}; "
-        f"request log: {database}",
+        f"data directory: {settings.server.data_dir.resolve()}; "
+        f"ONNX exports: {settings.export_dir.resolve()}; request log: {database}",
         f"ready: open {local_url(settings)} (API: {local_url(settings)}docs; the Admin tab takes {token})",
     ]
 
@@ -176,7 +177,7 @@ class ServingApp:
             app = await asyncio.to_thread(self._build_app, runtime)
             # The app's lifespan starts Gradio's queue; uvicorn ran ours long before.
             await self._stack.enter_async_context(app.router.lifespan_context(app))
-            await asyncio.to_thread(runtime.wait_for_l2, self._settings.ready_l2_wait_s)
+            await asyncio.to_thread(runtime.wait_for_l2, self._settings.server.ready_l2_wait_s)
             self._gradio = next((r.app for r in app.routes if isinstance(r, Mount) and r.path == ""), None)
             self._direct = tuple(getattr(app.state, "direct_routes", ()))
             self._forwarding = getattr(runtime, "forwarding", None)  # a stand-in runtime may have none

@@ -9,7 +9,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +43,17 @@ def build_system(
             raise ValueError("seed needs a Redis")
         return CommonRecipe(models, redis_url, name="seed")
     if name == "grcache":
-        return GrCache(models, max_memory=settings.cache_l1_max_bytes)  # the same budget as our L1
+        return GrCache(models, max_memory=settings.cache.l1_max_bytes)  # the same budget as our L1
     if name == "ours":
         return Ours(models, settings)
     if name == "ours-l1":
-        return Ours(models, replace(settings, redis_url="off"), name)
+        return Ours(models, settings.changed(redis__url="off"), name)
     if name == "ours-tcp":  # the same engine; run_workload gives it a Redis on loopback TCP
         return Ours(models, settings, name)
     if name == "ours-nobatch":
-        return Ours(models, replace(settings, batch_max_size=1), name)
+        return Ours(models, settings.changed(models__batch_max_size=1), name)
     if name == "ours-signed":  # a fresh key per run: signing's cost, not a secret
-        return Ours(models, replace(settings, cache_signing_keys=(secrets.token_urlsafe(32),)), name)
+        return Ours(models, settings.changed(cache__signing_keys=(secrets.token_urlsafe(32),)), name)
     if name in ("nocache-twin", "nocache-app"):  # (the app's models are the caller's choice)
         return NoCache(models, name)
     raise ValueError(f"unknown system {name!r}")

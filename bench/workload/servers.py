@@ -129,7 +129,7 @@ class HttpServer:
         if spec.app == "ours":
             app = self._our_app(settings)
         else:
-            app = build_grcache_app(self._models, max_memory=settings.cache_l1_max_bytes)
+            app = build_grcache_app(self._models, max_memory=settings.cache.l1_max_bytes)
         self._server = BackgroundServer(app, port=spec.port).start()
         wait_ready(self._server.url, "/readyz" if spec.app == "ours" else "/")
         gc.collect()
