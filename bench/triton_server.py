@@ -89,8 +89,10 @@ def main() -> None:
                 model_name=task,
                 infer_func=make_infer(task),
                 inputs=[Tensor(name=INPUT_NAME, dtype=bytes, shape=(-1,))],
-                outputs=[Tensor(name="label", dtype=bytes, shape=(-1, -1)),
-                         Tensor(name="score", dtype=np.float32, shape=(-1, -1))],  # fmt: skip
+                outputs=[
+                    Tensor(name="label", dtype=bytes, shape=(-1, -1)),
+                    Tensor(name="score", dtype=np.float32, shape=(-1, -1)),
+                ],
                 config=ModelConfig(batching=False, response_cache=True),
                 strict=True,
             )
