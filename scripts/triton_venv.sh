@@ -26,6 +26,9 @@ fi
 [[ -x "$python" ]] || fail "$python not found: install Debian's python3 (3.11) and python3-venv"
 version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 [[ "$version" == "3.11" ]] || fail "$python is Python $version; the stub needs the system Python 3.11"
+base=$("$python" -c 'import sys; print(sys.base_prefix)')
+[[ "$base" == "/usr" ]] || fail "$python is a Python 3.11 from $base, not the system's (/usr): Triton's \
+Python stub links /usr's libpython3.11 and fails at start with another build's (_recursion_count)"
 ldconfig -p 2>/dev/null | grep -q 'libpython3.11.so.1.0' \
   || fail "libpython3.11.so.1.0 is not installed (apt-get install libpython3.11): Triton's Python stub links it"
 if [[ ! -x "$venv/bin/python" ]]; then
