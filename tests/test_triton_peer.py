@@ -1,7 +1,7 @@
 """bench.triton_peer's Triton side: the venv script, a real tritonserver, and its response cache.
 
 The venv (scripts/triton_venv.sh) is made on first use, a minute or two from PyPI; once made,
-this test takes about 10 s. A failed venv or a missing tritonserver fails here with the
+this test takes about 15 s. A failed venv or a missing tritonserver fails here with the
 script's message: the bench could not run either.
 """
 
