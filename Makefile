@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults bench-redis-scale soak clean setup
+.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults bench-redis-scale bench-triton soak clean setup
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,5 +56,10 @@ bench-redis-scale: $(STAMP)
 	@scripts/ensure_system_deps.sh redis-server redis-tools
 	$(PY) -m bench.redis_scale
 
+# A cached REST hit against NVIDIA Triton's response cache (about 2 minutes; the first run also
+# makes .venv-triton with nvidia-pytriton from PyPI, scripts/triton_venv.sh).
+bench-triton: $(STAMP)
+	$(PY) -m bench.triton_peer
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache test-artifacts
+	rm -rf $(VENV) .venv-triton .pytest_cache .ruff_cache test-artifacts

@@ -91,7 +91,7 @@ def serve_standin(make_runtime) -> Iterator[Callable[..., Served]]:
     started: list[tuple[BackgroundServer, Served]] = []
 
     def start(**runtime_args: Any) -> Served:
-        runtime_args.setdefault("max_upload_bytes", SMALL_UPLOAD)
+        runtime_args.setdefault("limits__max_upload_bytes", SMALL_UPLOAD)
         started.append(_serve(make_runtime(**runtime_args)))
         return started[-1][1]
 
@@ -683,3 +683,21 @@ def test_an_unexpected_failure_is_a_500_without_a_trace(make_runtime, caplog) ->
     response = anyio.run(post)
     assert response.status_code == 500 and response.json() == {"error": "Internal server error."}
     assert "secret internal detail" in caplog.text and "Traceback" in caplog.text  # logged, not sent
+
+
+def test_which_bodies_are_taken_on_the_event_loop() -> None:
+    """Small bodies, and binary-extension bodies up to INLINE_BINARY_BYTES whose JSON header is
+    small and asks for no base64, are parsed and looked up on the event loop; the rest in a thread."""
+    from api.oip import INLINE_BINARY_BYTES, INLINE_PARSE_BYTES, _inline
+
+    header = (b'{"inputs":[{"name":"input","shape":[1],"datatype":"BYTES",'
+              b'"parameters":{"binary_data_size":9}}]}')  # fmt: skip
+    photo = header + bytes(300_000)
+    assert _inline(b"x" * INLINE_PARSE_BYTES, None)
+    assert not _inline(b"x" * (INLINE_PARSE_BYTES + 1), None)  # JSON: base64 to decode
+    assert _inline(photo, str(len(header)))
+    assert not _inline(header + bytes(INLINE_BINARY_BYTES), str(len(header)))
+    b64 = header.replace(b'"binary_data_size"', b'"content_type":"base64","binary_data_size"')
+    assert not _inline(b64 + bytes(300_000), str(len(b64)))
+    for bad in ("", "12x", "²", "9" * 30, str(INLINE_PARSE_BYTES + 1)):
+        assert not _inline(photo, bad)
