@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,15 @@ MESSAGE = "Where is my parcel? It was supposed to arrive on Monday."
 CROSS_SITE = {"host": "myspace.hf.space", "origin": "https://example.com"}
 
 
-def start_app(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_app(
+    data_dir: Path, *, command: Sequence[str] = ("app.py",), env: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`python <command>` (the app, or a bench module serving it) on a free port, without Redis;
+    returns the process and its URL once /readyz answers 200."""
     port = free_port()
     env = {**os.environ, "PORT": str(port), "REDIS_URL": "off", "DATA_DIR": str(data_dir),
-           "ADMIN_TOKEN": "bench-cached-routes"}  # fmt: skip
-    process = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+           "ADMIN_TOKEN": "bench-cached-routes", **(env or {})}  # fmt: skip
+    process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

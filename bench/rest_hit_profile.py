@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
-from storage.redis.embedded import free_port
+from bench.cached_routes import start_app
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,22 +73,8 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 
 def start_server(out_dir: Path, timer: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {**os.environ, "REST_HIT_PROFILE_TIMER": timer, "PORT": str(port), "REDIS_URL": "off",
-           "DATA_DIR": str(out_dir / "data"), "ADMIN_TOKEN": "bench-rest-hit-profile"}  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-m", "bench.rest_hit_profile", "--serve", str(out_dir)],
-                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("the app did not become ready")
+    return start_app(out_dir / "data", command=("-m", "bench.rest_hit_profile", "--serve", str(out_dir)),
+                     env={"REST_HIT_PROFILE_TIMER": timer, "ADMIN_TOKEN": "bench-rest-hit-profile"})
 
 
 def report(
