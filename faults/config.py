@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 PREFIX = "infcache"  # the app's default CACHE_PREFIX
 TOKEN = "faults-suite-operator-token"
 SOCKET_TIMEOUT_S = 0.25  # REDIS_SOCKET_TIMEOUT_S given to the apps (the default)
