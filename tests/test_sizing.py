@@ -285,3 +285,56 @@ def test_sizing_cpu_share_setting() -> None:
     assert Settings.from_env({"SIZING_CPU_SHARE": "0.05"}).console.sizing_cpu_share == 0.05
     with pytest.raises(SettingsError):
         Settings.from_env({"SIZING_CPU_SHARE": "2"})
+
+
+class MixedSizeModel(CountingTextModel):
+    """A stand-in whose results differ in size by input (1 to 12 labels of varied names), for
+    `task`; cheap=False: its raw-input aliases go to Redis too, as the image model's do."""
+
+    def __init__(self, task: str, *, cheap: bool) -> None:
+        super().__init__(cheap=cheap)
+        self.task = task
+
+    def canonicalize(self, raw: Any) -> Any:
+        from engine.inputs import clean_text
+
+        return clean_text(raw, max_chars=5000)
+
+    def predict_batch(self, inputs: Any) -> list[Any]:
+        import zlib
+
+        from engine.models.base import Prediction
+
+        out = []
+        for item in inputs:
+            seed = zlib.crc32(item.text.encode())
+            labels = tuple((f"label-{j}-{'x' * (seed % 7 * 5)}", 1.0 / (j + 2)) for j in range(1 + seed % 12))
+            out.append(Prediction(labels))
+        return out
+
+
+def test_predicted_l1_hit_ratio_at_todays_size_is_what_l1_serves(make_runtime) -> None:
+    """The issue's measurement: L1 of 12 kB shared by two tasks, a Zipf stream of inputs whose
+    results differ in size, each request also reading its raw-input alias from L1. The curve
+    at today's size must say what L1 then serves, per task and overall (it said 0.25 for 0.13
+    when a task's curve assumed L1 to itself and left the aliases out)."""
+    runtime = make_runtime(
+        models={"text": MixedSizeModel("text", cheap=True), "image": MixedSizeModel("image", cheap=False)},
+        cache__l1_max_bytes=12_000, console__sizing_cpu_share=0.0,  # every use sampled: no sampling noise
+    )  # fmt: skip
+    rng = random.Random(5)
+    inputs = [f"w{i} " * rng.randint(1, 40) for i in range(800)]
+    served: dict[str, list[int]] = {"text": [0, 0], "image": [0, 0]}  # [L1 hits, requests]
+    for n, i in enumerate(rng.choices(range(800), [1 / (i + 1) ** 0.9 for i in range(800)], k=8000)):
+        task = ("text", "image")[n % 2]
+        result = runtime.engine.classify(task, inputs[i])
+        served[task][0] += result.tier == "l1"
+        served[task][1] += 1
+    report = runtime.insights.sizing("1h")
+    assert report["sampler"]["rate_cap"] == 1.0
+    for task, (hits, requests) in served.items():
+        l1 = report["tasks"][task]["l1"]
+        assert l1["current_bytes"] == 12_000
+        assert l1["current_hit_ratio"] == pytest.approx(hits / requests, abs=TOLERANCE), task
+    hits = sum(h for h, _ in served.values())
+    assert report["overall"]["l1"]["current_hit_ratio"] == pytest.approx(hits / 8000, abs=TOLERANCE)

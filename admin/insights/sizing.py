@@ -5,6 +5,9 @@ For each task (and `overall`, every task's keys together: the stream one shared 
 hit ratio an LRU cache would have had over the window at sizes from a tenth to ten times
 today's (L1: CACHE_L1_MAX_BYTES; L2: Redis's maxmemory, or its used memory when it has no
 limit), and the smallest of those sizes that reaches 95 % of the best ratio on the curve.
+A task's curve is its hit ratio in the tier shared with the other tasks (distances measured in
+the stream of all tasks), as the tier of that size would serve it, not as if it had the tier
+alone.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ def curve_sizes(current: int) -> list[int]:
 
 
 def tier_curve(
-    counts: Any, histogram: dict[int, float], current: int, **extra: Any
+    counts: Any, histogram: dict[int, float], current: int, *, fixed: int = 0, **extra: Any
 ) -> dict[str, Any]:
+    """`fixed`: bytes of each size the tier's entries cannot use (Redis's own memory)."""
     sizes = curve_sizes(current)
-    ratios = hit_ratios(counts, histogram, sizes)
+    ratios = hit_ratios(counts, histogram, [max(0, s - fixed) for s in sizes])
     best = max(ratios, default=0.0)
     enough = next((s for s, r in zip(sizes, ratios, strict=True) if best > 0 and r >= GOOD_ENOUGH * best),
                   None)  # fmt: skip
@@ -45,19 +49,24 @@ def tier_curve(
 
 
 def profile_report(
-    profile: ReuseProfile, *, now: float, window_s: float, l1_bytes: int, l2: dict[str, Any] | None
+    profile: ReuseProfile, *, now: float, window_s: float, l1_bytes: int, l2: dict[str, Any] | None,
+    shared: Any = None,
 ) -> dict[str, Any]:
+    """`shared`: a task's counts within the stream of every task (the tiers it shares), for its
+    curves; None: the profile's own (the overall stream)."""
     counts, distinct = profile.window(now, window_s)
     requests = counts.requests
     distinct = min(distinct, requests)
+    tiers = counts if shared is None else shared
     return {
         "requests": requests,
         "distinct_keys": distinct,
         # Share of requests whose input was already used in the window (an unbounded cache's hits).
         "repeat_ratio": round(1 - distinct / requests, 4) if requests else None,
-        "l1": tier_curve(counts, counts.l1, l1_bytes),
+        "l1": tier_curve(tiers, tiers.l1, l1_bytes),
         "l2": (None if l2 is None
-               else tier_curve(counts, counts.l2, l2["current_bytes"], limit_set=l2["limit_set"])),
+               else tier_curve(tiers, tiers.l2, l2["current_bytes"], fixed=l2.get("fixed_bytes", 0),
+                               limit_set=l2["limit_set"], fixed_bytes=l2.get("fixed_bytes", 0))),
         "sample": {"tracked_keys": profile.tracked(), "rate": round(profile.rate, 6)},
     }
 
@@ -71,9 +80,14 @@ def sizing_report(
     now = sampler.now()
     profiles = sampler.profiles()
     args = {"now": now, "window_s": window_s, "l1_bytes": l1_bytes, "l2": l2}
+    everyone, _ = profiles[OVERALL].window(now, window_s)
     return {
         "window_s": window_s,
-        "tasks": {task: profile_report(p, **args) for task, p in sorted(profiles.items()) if task != OVERALL},
+        "tasks": {
+            task: profile_report(p, **args, shared=everyone.task(task))
+            for task, p in sorted(profiles.items())
+            if task != OVERALL
+        },
         "overall": profile_report(profiles[OVERALL], **args),
         "method": "SHARDS sampled reuse distances (bytes); LRU; a reuse later than the tier's TTL is a miss",
         # The sampler's own cost: its CPU budget's rate, uses dropped on a full queue, CPU seconds.

@@ -140,6 +140,23 @@ class InferenceEngine:
         """`observer(task, key, value)` on every answered use of a result key (engine.sizing.key_sampler)."""
         self._key_observer = observer
 
+    def footprint(self, key: str, value: Any) -> tuple[int, int]:
+        """What one answered use of result `key` holds in L1 and in L2 (bytes, as each counts
+        them), for the sizing curves: the result entry and the raw-input alias `_classify` reads
+        before it (and writes on its first use) in L1, and in Redis where aliases go there (a
+        task whose canonicalizing is not cheap), each as Redis's memory accounting sees it."""
+        from engine.sizing.key_sampler import redis_entry_bytes
+
+        blob = len(self._tiers.codec.encode(value, key=key))
+        task, version, generation, digest = key[len(self._policy.prefix) + 1 :].rsplit(":", 3)
+        raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", version, int(generation), digest))
+        alias = len(self._tiers.codec.encode(CachedAlias(digest), key=raw_key))
+        model = self._models.get(task)
+        l2 = redis_entry_bytes(len(key), blob)
+        if model is not None and not getattr(model, "cheap_canonicalize", False):
+            l2 += redis_entry_bytes(len(raw_key), alias)
+        return blob + len(key) + alias + len(raw_key), l2
+
     def classify(
         self, task: str, raw: Any, *, probe: bool = False, route: str = "gradio", client: str | None = None
     ) -> ClassifyResult:
