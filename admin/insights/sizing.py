@@ -16,6 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from engine.sizing.key_sampler import HOUR_S, KEEP_HOURS, OVERALL, KeySampler, ReuseProfile, hit_ratios
+from storage.redis.health import NodeHealth
 
 STEPS_PER_DECADE = 10
 GOOD_ENOUGH = 0.95  # "reaches 95 % of the best hit ratio"
@@ -27,6 +28,18 @@ def curve_sizes(current: int) -> list[int]:
     centre = max(current, 1) if current > 0 else FALLBACK_BYTES
     steps = range(-STEPS_PER_DECADE, STEPS_PER_DECADE + 1)
     return [max(1, round(centre * 10 ** (k / STEPS_PER_DECADE))) for k in steps]
+
+
+def redis_fixed_bytes(node: NodeHealth, per_key: float | None) -> int:
+    """What a Redis primary holds besides the cache's entries, counted toward its maxmemory: its
+    used memory less its keys at the sample's mean bytes a key (`per_key`), and at least what
+    INFO names (memory at startup, clients, scripts). That is more than INFO names: a first
+    EVAL, a first SUBSCRIBE and the like add a few hundred kB Redis reports nowhere apart,
+    which a small maxmemory feels."""
+    named = node.fixed_memory or 0
+    if per_key is None or node.used_memory is None or node.keys is None:
+        return named
+    return int(min(node.used_memory, max(named, node.used_memory - node.keys * per_key)))
 
 
 def tier_curve(
@@ -58,15 +71,20 @@ def profile_report(
     requests = counts.requests
     distinct = min(distinct, requests)
     tiers = counts if shared is None else shared
+    # What the tiers answered over the same requests, next to the prediction at today's size:
+    # L1's hits; L2's curve is of L1 and L2 together (L2 holds what L1 does, and more).
+    served_l1 = round(counts.served_l1 / requests, 4) if requests else None
+    served = round((counts.served_l1 + counts.served_l2) / requests, 4) if requests else None
     return {
         "requests": requests,
         "distinct_keys": distinct,
         # Share of requests whose input was already used in the window (an unbounded cache's hits).
         "repeat_ratio": round(1 - distinct / requests, 4) if requests else None,
-        "l1": tier_curve(tiers, tiers.l1, l1_bytes),
+        "l1": tier_curve(tiers, tiers.l1, l1_bytes, observed_hit_ratio=served_l1),
         "l2": (None if l2 is None
                else tier_curve(tiers, tiers.l2, l2["current_bytes"], fixed=l2.get("fixed_bytes", 0),
-                               limit_set=l2["limit_set"], fixed_bytes=l2.get("fixed_bytes", 0))),
+                               limit_set=l2["limit_set"], fixed_bytes=l2.get("fixed_bytes", 0),
+                               observed_hit_ratio=served)),
         "sample": {"tracked_keys": profile.tracked(), "rate": round(profile.rate, 6)},
     }
 

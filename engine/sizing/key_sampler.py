@@ -21,7 +21,7 @@ that task's uses in the shared stream (`_Counts.tasks`), and a task's curves com
 
 The hook on the request path (`observe`) counts the request, compares the key's hash with the
 sampling threshold and queues only a sampled use; the profiles are updated off it (`KeySampler`),
-about 5 µs a sampled use in each of two profiles (three Fenwick-tree steps over packed size/count
+about 5 µs a sampled use in each of two profiles (three Fenwick-tree steps over packed L1/L2 byte
 sums). That background work has a CPU budget (`cpu_share` of one core, `CpuBudget`): when the
 key rate × the cost of a sample would exceed it, the threshold is lowered exactly as when too
 many keys are tracked (spatially, never by skipping uses in time, which would lengthen reuse
@@ -89,15 +89,16 @@ log = logging.getLogger(__name__)
 
 OVERALL = "*"  # the profile of every task's keys together (what one shared L1 sees)
 
-# (key, value) -> a use's L1 bytes, or (L1 bytes, L2 bytes with Redis's per-key overhead); a
-# bare int is taken to be one entry in both tiers (L2: plus REDIS_ENTRY_OVERHEAD).
-Sizer = Callable[[str, Any], "int | tuple[int, int]"]
+# (key, value) -> a use's L1 bytes, or (L1 bytes, L2 bytes as Redis counts them toward
+# maxmemory, the Redis keys those are); a bare int is taken to be one entry in both tiers (L2:
+# plus REDIS_ENTRY_OVERHEAD).
+Sizer = Callable[[str, Any], "int | tuple[int, int, int]"]
 
 
-def footprint(size: int | tuple[int, int]) -> tuple[int, int]:
+def footprint(size: int | tuple[int, ...]) -> tuple[int, int, int]:
     if isinstance(size, tuple):
-        return int(size[0]), int(size[1])
-    return int(size), int(size) + REDIS_ENTRY_OVERHEAD
+        return int(size[0]), int(size[1]), int(size[2]) if len(size) > 2 else 1
+    return int(size), int(size) + REDIS_ENTRY_OVERHEAD, 1
 
 
 def key_hash(key: str) -> int:
@@ -160,6 +161,7 @@ class _Tracked:
     last_at: float
     hash: int
     l2_size: int  # and in L2 (with Redis's per-key overhead)
+    l2_keys: int  # the Redis keys those are (the result, and its alias where aliases go to Redis)
 
     @property
     def packed(self) -> int:
@@ -173,6 +175,8 @@ class _Counts:
     requests: int = 0
     weight: float = 0.0  # sampled references, each weighted 1/R
     lost: float = 0.0  # sampled references dropped on a full queue, weighted 1/R: not estimated
+    served_l1: int = 0  # requests the tiers answered: from L1, from L2 (what the curves predict)
+    served_l2: int = 0
     l1: dict[int, float] = field(default_factory=dict)  # distance bin -> weight of hits
     l2: dict[int, float] = field(default_factory=dict)
     # OVERALL only: each task's requests and distances in the shared stream (what the shared
@@ -183,6 +187,8 @@ class _Counts:
         self.requests += other.requests
         self.weight += other.weight
         self.lost += other.lost
+        self.served_l1 += other.served_l1
+        self.served_l2 += other.served_l2
         for mine, theirs in ((self.l1, other.l1), (self.l2, other.l2)):
             for index, w in theirs.items():
                 mine[index] = mine.get(index, 0.0) + w
@@ -223,15 +229,21 @@ class ReuseProfile:
     def threshold(self) -> int:
         return self._threshold
 
-    def add_requests(self, count: int, now: float, lost: float = 0.0, task: str | None = None) -> None:
+    def add_requests(
+        self, count: int, now: float, lost: float = 0.0, task: str | None = None,
+        served: tuple[int, int] = (0, 0),
+    ) -> None:  # fmt: skip
         """`count` requests of this stream (sampled or not); `lost`: the weight of those queued
         for the sample but dropped on a full queue (it leaves the estimate, not skew it);
-        `task`: whose (the profile of every task keeps each task's share too)."""
+        `task`: whose (the profile of every task keeps each task's share too); `served`: how
+        many of them L1 and L2 answered."""
         with self._lock:
             counts = self._bucket(now)
             for c in (counts,) if task is None else (counts, counts.task(task)):
                 c.requests += count
                 c.lost += lost
+                c.served_l1 += served[0]
+                c.served_l2 += served[1]
 
     def lower(self, threshold: int) -> None:
         """Sample under `threshold` from now on (never raised): keys above it are forgotten."""
@@ -271,8 +283,8 @@ class ReuseProfile:
             self._tree.add(stamp, entry)
             tracked.stamp, tracked.last_at = stamp, now
 
-    def _track(self, key: str, h: int, now: float, size: tuple[int, int]) -> None:
-        tracked = _Tracked(self._stamp(), size[0], now, h, size[1])
+    def _track(self, key: str, h: int, now: float, size: tuple[int, int, int]) -> None:
+        tracked = _Tracked(self._stamp(), size[0], now, h, size[1], size[2])
         self._keys[key] = tracked
         self._tree.add(tracked.stamp, tracked.packed)
         heapq.heappush(self._heap, (-h, key))
@@ -330,6 +342,13 @@ class ReuseProfile:
     def tracked(self) -> int:
         return len(self._keys)
 
+    def l2_bytes_per_key(self) -> float | None:
+        """The mean bytes a Redis key of the sample costs (None: none sampled): how much of a
+        Redis's used memory its keys take, and so what is left to Redis itself."""
+        with self._lock:
+            keys = sum(t.l2_keys for t in self._keys.values())
+            return sum(t.l2_size for t in self._keys.values()) / keys if keys else None
+
 
 def hit_ratios(counts: _Counts, histogram: dict[int, float], sizes: Iterable[int]) -> list[float]:
     """The estimated hit ratio at each cache size (bytes), SHARDS_adj-corrected."""
@@ -347,13 +366,16 @@ def hit_ratios(counts: _Counts, histogram: dict[int, float], sizes: Iterable[int
 
 
 class _TaskGate:
-    """What the request path needs of a task: its request count and its sampling threshold
-    (one lookup; the threshold is replaced by the catch-up, read without a lock)."""
+    """What the request path needs of a task: its request count (and of those L1 and L2
+    answered) and its sampling threshold (one lookup; the threshold is replaced by the
+    catch-up, read without a lock)."""
 
-    __slots__ = ("count", "threshold")
+    __slots__ = ("count", "l1", "l2", "threshold")
 
     def __init__(self, threshold: int) -> None:
         self.count = itertools.count()  # next() is atomic under the GIL: exact, and no lock
+        self.l1 = itertools.count()
+        self.l2 = itertools.count()
         self.threshold = threshold
 
 
@@ -408,8 +430,9 @@ class KeySampler:
                                  full=HASH_SPACE)  # fmt: skip
         self._tasks: dict[str, _TaskGate] = {}  # read by the request path without a lock
         self._gate = HASH_SPACE  # a task not seen yet
-        self._reads: dict[str, int] = {}  # how often the drain read each counter (a read counts too)
-        self._counted: dict[str, int] = {}  # requests already added to the profiles
+        # (task, counter): how often the drain read it (a read counts too), what it added to the profiles
+        self._reads: dict[tuple[str, str], int] = {}
+        self._counted: dict[tuple[str, str], int] = {}
         self._overflow: dict[str, float] = {}  # task -> weight of queued uses dropped, not counted
         self._overflow_lock = threading.Lock()  # taken only on a full queue
         self._drain_lock = threading.Lock()
@@ -419,12 +442,17 @@ class KeySampler:
         self._cpu_s = 0.0
         self.dropped = 0
 
-    def observe(self, task: str, key: str, value: Any) -> None:
-        """One use of cache key `key` (any tier), on the request path: never raises."""
+    def observe(self, task: str, key: str, value: Any, tier: str | None = None) -> None:
+        """One use of cache key `key`, answered from `tier` ("l1", "l2", or another: a miss),
+        on the request path: never raises."""
         entry = self._tasks.get(task)
         if entry is None:
             entry = self._tasks.setdefault(task, _TaskGate(self._gate))
         next(entry.count)
+        if tier == "l1":
+            next(entry.l1)
+        elif tier == "l2":
+            next(entry.l2)
         gate = entry.threshold
         try:
             h = int(key[-8:], 16)  # key_hash inlined: this runs on every hit
@@ -480,9 +508,9 @@ class KeySampler:
     def _apply(self, task: str, key: str, value: Any, now: float) -> None:
         profile = self._profile(task)
         h = key_hash(key)
-        size: list[tuple[int, int]] = []
+        size: list[tuple[int, int, int]] = []
 
-        def size_of() -> tuple[int, int]:  # computed once, only for a key newly sampled
+        def size_of() -> tuple[int, int, int]:  # computed once, only for a key newly sampled
             if not size:
                 size.append(footprint(self._sizer(key, value)))
             return size[0]
@@ -498,16 +526,22 @@ class KeySampler:
         """Requests are counted in the bucket of the catch-up that adds them (within
         `period_s` of their time): reading a count costs the request path nothing."""
         for task, entry in self._tasks.copy().items():
-            reads = self._reads.get(task, 0)
-            total = next(entry.count) - reads  # each earlier read of ours advanced it by one
-            self._reads[task] = reads + 1
-            new = total - self._counted.get(task, 0)
-            self._counted[task] = total
+            counters = (("", entry.count), ("l1", entry.l1), ("l2", entry.l2))
+            new, l1, l2 = (self._read((task, name), counter) for name, counter in counters)
             with self._overflow_lock:
                 lost = self._overflow.pop(task, 0.0)
             if new or lost:
-                self._profile(task).add_requests(new, now, lost)
-                self._profiles[OVERALL].add_requests(new, now, lost, task)
+                self._profile(task).add_requests(new, now, lost, served=(l1, l2))
+                self._profiles[OVERALL].add_requests(new, now, lost, task, served=(l1, l2))
+
+    def _read(self, name: tuple[str, str], counter: itertools.count) -> int:
+        """What `counter` counted since the last read."""
+        reads = self._reads.get(name, 0)
+        total = next(counter) - reads  # each earlier read of ours advanced it by one
+        self._reads[name] = reads + 1
+        new = total - self._counted.get(name, 0)
+        self._counted[name] = total
+        return new
 
     def _govern(self, now: float) -> None:
         before = self._budget.threshold
