@@ -315,7 +315,7 @@ def _insights(
     sampler = None
     if settings.console.sizing_max_keys > 0:
         sampler = KeySampler(
-            sizer=lambda key, value: len(codec.encode(value, key=key)) + len(key),  # as L1 counts it
+            sizer=engine.footprint,  # a use's bytes in L1 and in L2, as each counts them
             max_keys=settings.console.sizing_max_keys, l1_ttl_s=settings.cache.l1_ttl_s,
             l2_ttl_s=settings.cache.ttl_s, cpu_share=settings.console.sizing_cpu_share,
         )  # fmt: skip

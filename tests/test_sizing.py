@@ -285,3 +285,91 @@ def test_sizing_cpu_share_setting() -> None:
     assert Settings.from_env({"SIZING_CPU_SHARE": "0.05"}).console.sizing_cpu_share == 0.05
     with pytest.raises(SettingsError):
         Settings.from_env({"SIZING_CPU_SHARE": "2"})
+
+
+class MixedSizeModel(CountingTextModel):
+    """A stand-in whose results differ in size by input (1 to 12 labels of varied names), for
+    `task`; cheap=False: its raw-input aliases go to Redis too, as the image model's do."""
+
+    def __init__(self, task: str, *, cheap: bool) -> None:
+        super().__init__(cheap=cheap)
+        self.task = task
+
+    def canonicalize(self, raw: Any) -> Any:
+        from engine.inputs import clean_text
+
+        return clean_text(raw, max_chars=5000)
+
+    def predict_batch(self, inputs: Any) -> list[Any]:
+        import zlib
+
+        from engine.models.base import Prediction
+
+        out = []
+        for item in inputs:
+            seed = zlib.crc32(item.text.encode())
+            labels = tuple((f"label-{j}-{'x' * (seed % 7 * 5)}", 1.0 / (j + 2)) for j in range(1 + seed % 12))
+            out.append(Prediction(labels))
+        return out
+
+
+def zipf_of_mixed_sizes(runtime: Any, *, keys: int, requests: int) -> dict[str, list[int]]:
+    """Requests to a text task and an image-like task in turn, inputs drawn from a Zipf law:
+    [L1 hits, L2 hits, requests] of each task, as the engine answered them."""
+    rng = random.Random(5)
+    inputs = [f"w{i} " * rng.randint(1, 40) for i in range(keys)]
+    served: dict[str, list[int]] = {"text": [0, 0, 0], "image": [0, 0, 0]}
+    for n, i in enumerate(rng.choices(range(keys), [1 / (i + 1) ** 0.9 for i in range(keys)], k=requests)):
+        task = ("text", "image")[n % 2]
+        tier = runtime.engine.classify(task, inputs[i]).tier
+        served[task][0] += tier == "l1"
+        served[task][1] += tier == "l2"
+        served[task][2] += 1
+    return served
+
+
+def mixed_models() -> dict[str, Any]:
+    return {"text": MixedSizeModel("text", cheap=True), "image": MixedSizeModel("image", cheap=False)}
+
+
+def test_predicted_l1_hit_ratio_at_todays_size_is_what_l1_serves(make_runtime) -> None:
+    """The issue's measurement: L1 of 12 kB shared by two tasks, a Zipf stream of inputs whose
+    results differ in size, each request also reading its raw-input alias from L1. The curve
+    at today's size must say what L1 then serves, per task and overall (it said 0.32 for 0.17
+    when a task's curve assumed L1 to itself and left the aliases out)."""
+    runtime = make_runtime(models=mixed_models(), cache__l1_max_bytes=12_000,
+                           console__sizing_cpu_share=0.0)  # every use sampled: no sampling noise  # fmt: skip
+    served = zipf_of_mixed_sizes(runtime, keys=800, requests=8000)
+    report = runtime.insights.sizing("1h")
+    assert report["sampler"]["rate_cap"] == 1.0
+    for task, (l1_hits, _, requests) in served.items():
+        l1 = report["tasks"][task]["l1"]
+        assert l1["current_bytes"] == 12_000
+        assert l1["observed_hit_ratio"] == pytest.approx(l1_hits / requests, abs=1e-4)
+        assert l1["current_hit_ratio"] == pytest.approx(l1_hits / requests, abs=TOLERANCE), task
+    overall = report["overall"]["l1"]
+    assert overall["observed_hit_ratio"] == pytest.approx(sum(s[0] for s in served.values()) / 8000, abs=1e-4)
+    assert overall["current_hit_ratio"] == pytest.approx(overall["observed_hit_ratio"], abs=TOLERANCE)
+
+
+def test_predicted_l2_hit_ratio_at_maxmemory_is_what_the_tiers_serve(make_runtime, redis_server) -> None:
+    """Redis at a small maxmemory with allkeys-lru, as the app configures it: the L2 curve at
+    maxmemory must say what L1 and L2 together then serve. Redis's own memory (about 1.2 MB
+    here: at startup, and what a first EVAL and SUBSCRIBE add) holds no entries, an entry costs
+    what jemalloc allocates for it, and an image's alias is a Redis key of its own (the curve
+    said 0.81 for 0.74 when maxmemory was taken to be all entries at 96 bytes of overhead each)."""
+    import redis
+
+    redis.Redis.from_url(redis_server.url).config_set("maxmemory", 2_200_000)
+    runtime = make_runtime(models=mixed_models(), cache__l1_max_bytes=12_000, redis__url=redis_server.url,
+                           console__sizing_cpu_share=0.0)  # fmt: skip
+    served = zipf_of_mixed_sizes(runtime, keys=2000, requests=16_000)
+    report = runtime.insights.sizing("1h")
+    assert report["sampler"]["rate_cap"] == 1.0
+    served["overall"] = [sum(column) for column in zip(*served.values(), strict=True)]
+    for name, body in [*report["tasks"].items(), ("overall", report["overall"])]:
+        l1_hits, l2_hits, requests = served[name]
+        l2 = body["l2"]
+        assert l2["current_bytes"] == 2_200_000 and l2["limit_set"] is True
+        assert l2["observed_hit_ratio"] == pytest.approx((l1_hits + l2_hits) / requests, abs=1e-4)
+        assert l2["current_hit_ratio"] == pytest.approx(l2["observed_hit_ratio"], abs=TOLERANCE), name

@@ -15,10 +15,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from admin.console import exports
 from admin.console.service import LogUnavailableError
 from admin.insights import verdict
-from admin.insights.sizing import sizing_report
+from admin.insights.sizing import redis_fixed_bytes, sizing_report
 from admin.monitoring.device_health import NO_CUDA, DeviceMonitor, read_gpus
 from engine.pipeline.service import InferenceEngine
-from engine.sizing.key_sampler import KeySampler
+from engine.sizing.key_sampler import OVERALL, KeySampler
 from storage.log_writer import RequestLogWriter
 from storage.redis.health import NodeHealth, read_health
 
@@ -99,7 +99,11 @@ class Insights:
             up = [n for n in nodes if n.up]
             limit_set = bool(up) and all(n.maxmemory for n in up)
             current = sum((n.maxmemory if limit_set else n.used_memory) or 0 for n in up)
-            l2 = {"current_bytes": current, "limit_set": limit_set}
+            # Redis's own memory, which its entries cannot use: the curve is drawn over the limit
+            # (maxmemory) but evaluated at what is left of it for entries.
+            per_key = self._sampler.profiles()[OVERALL].l2_bytes_per_key()
+            fixed = sum(redis_fixed_bytes(n, per_key) for n in up)
+            l2 = {"current_bytes": current, "limit_set": limit_set, "fixed_bytes": fixed}
         report = sizing_report(self._sampler, window_s=window_s, l1_bytes=self._l1_max_bytes, l2=l2)
         return {**report, "enabled": True}
 

@@ -93,7 +93,8 @@ class InferenceEngine:
         )
         self._counter_lock = threading.Lock()
         self._events = RequestEvents(clock)  # request records for the log, metrics, console
-        self._key_observer: Callable[[str, str, Any], None] | None = None  # (task, key, value): sizing
+        # (task, key, value, tier): the sizing curves' sampler
+        self._key_observer: Callable[[str, str, Any, str], None] | None = None
         # Entries of an old generation can never be read again: free their memory.
         generation.subscribe(lambda _old, _new: self._l1.clear())
         # A sample of hits recomputed off the request path while no request is inside.
@@ -136,9 +137,28 @@ class InferenceEngine:
     def add_listener(self, listener: RequestListener) -> None:
         self._events.add_listener(listener)
 
-    def observe_keys(self, observer: Callable[[str, str, Any], None]) -> None:
-        """`observer(task, key, value)` on every answered use of a result key (engine.sizing.key_sampler)."""
+    def observe_keys(self, observer: Callable[[str, str, Any, str], None]) -> None:
+        """`observer(task, key, value, tier)` on every answered use of a result key, `tier` the
+        ClassifyResult's (engine.sizing.key_sampler)."""
         self._key_observer = observer
+
+    def footprint(self, key: str, value: Any) -> tuple[int, int, int]:
+        """What one answered use of result `key` holds in L1 and in L2 (bytes, as each counts
+        them), and the Redis keys those are, for the sizing curves: the result entry and the
+        raw-input alias `_classify` reads before it (and writes on its first use) in L1, and in
+        Redis where aliases go there (a task whose canonicalizing is not cheap), each as Redis's
+        memory accounting sees it."""
+        from engine.sizing.key_sampler import redis_entry_bytes
+
+        blob = len(self._tiers.codec.encode(value, key=key))
+        task, version, generation, digest = key[len(self._policy.prefix) + 1 :].rsplit(":", 3)
+        raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", version, int(generation), digest))
+        alias = len(self._tiers.codec.encode(CachedAlias(digest), key=raw_key))
+        model = self._models.get(task)
+        l2, keys = redis_entry_bytes(len(key), blob), 1
+        if model is not None and not getattr(model, "cheap_canonicalize", False):
+            l2, keys = l2 + redis_entry_bytes(len(raw_key), alias), 2
+        return blob + len(key) + alias + len(raw_key), l2, keys
 
     def classify(
         self, task: str, raw: Any, *, probe: bool = False, route: str = "gradio", client: str | None = None
@@ -439,7 +459,7 @@ class InferenceEngine:
             if self._shadow is not None and tier in ("l1", "l2"):
                 self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
             if self._key_observer is not None:
-                self._key_observer(task, key, cached)
+                self._key_observer(task, key, cached, tier)
             self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
                          "coalesced": "coalesced"}[tier])  # fmt: skip
         now = self._clock()

@@ -12,11 +12,16 @@ the smallest distance (SHARDS_adj), which corrects most of the error hot keys ca
 Distances are in bytes, from each entry's real encoded size: a reference hits an LRU cache
 of C bytes exactly when the bytes of the distinct entries used since its previous use, its
 own included, fit in C. A reuse later than the tier's TTL counts as a miss at every size.
-The L2 distance adds Redis's per-entry overhead to each entry.
+A use's footprint (`sizer`) is all it holds in the tier: the result entry and the raw-input
+alias each request also reads (and writes) there, and in L2 Redis's per-key overhead.
+
+L1 and Redis are shared by every task, so a task's hit ratio at a size depends on the other
+tasks' keys too: the profile of all tasks (`OVERALL`) also keeps, per task, the distances of
+that task's uses in the shared stream (`_Counts.tasks`), and a task's curves come from those.
 
 The hook on the request path (`observe`) counts the request, compares the key's hash with the
 sampling threshold and queues only a sampled use; the profiles are updated off it (`KeySampler`),
-about 5 µs a sampled use in each of two profiles (three Fenwick-tree steps over packed size/count
+about 5 µs a sampled use in each of two profiles (three Fenwick-tree steps over packed L1/L2 byte
 sums). That background work has a CPU budget (`cpu_share` of one core, `CpuBudget`): when the
 key rate × the cost of a sample would exceed it, the threshold is lowered exactly as when too
 many keys are tracked (spatially, never by skipping uses in time, which would lengthen reuse
@@ -43,11 +48,38 @@ from engine.sizing.budget import CpuBudget
 HASH_SPACE = 1 << 32
 BIN_RATIO = 1.03  # distance histogram bins: ±1.5 % of a size, finer than any curve step
 _LOG_RATIO = math.log(BIN_RATIO)
-# Fenwick values pack an entry's bytes and a count of 1 so one tree answers both sums.
+# Fenwick values pack a use's L2 bytes (high) and L1 bytes (low) so one tree answers both sums.
 _COUNT_UNIT = 1 << 40
 # What a key costs Redis beyond its key and value bytes (dict entry, objects, expiry entry,
 # allocator rounding): measured with MEMORY USAGE on small entries, about 80-100 bytes.
-REDIS_ENTRY_OVERHEAD = 96
+REDIS_ENTRY_OVERHEAD = 96  # for a sizer that gives one size (key + value) only
+# jemalloc's small size classes (what an allocation of n bytes really takes, up to 14 KiB).
+_JEMALLOC_CLASSES = (8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768,
+                     896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192,
+                     10240, 12288, 14336)  # fmt: skip
+
+
+def _allocated(n: int) -> int:
+    for size in _JEMALLOC_CLASSES:
+        if n <= size:
+            return size
+    return -(-n // 4096) * 4096  # large allocations: whole pages
+
+
+def _sds(length: int) -> int:
+    """An sds string of `length` bytes: its header by length, the terminating NUL, rounded."""
+    header = 1 if length < 32 else 3 if length < 256 else 5 if length < 65536 else 9
+    return _allocated(header + length + 1)
+
+
+def redis_entry_bytes(key_len: int, value_len: int) -> int:
+    """What a string key with a TTL costs Redis 7 (jemalloc) toward maxmemory: the key's sds,
+    the value (an embedded string object up to 44 bytes, else an object and an sds), its entry
+    in the keyspace and in the expires table (32 bytes each) and their buckets (8 bytes a table,
+    at a load between 0.5 and 1: about 12 bytes a key each). MEMORY USAGE agrees within a few
+    per cent (it leaves out the expires entry)."""
+    value = _allocated(16 + 3 + value_len + 1) if value_len <= 44 else 16 + _sds(value_len)
+    return _sds(key_len) + value + 2 * (32 + 12)
 MIN_CAPACITY = 256  # the smallest Fenwick tree (stamps before a renumbering)
 MINUTE_S = 60
 HOUR_S = 3600
@@ -57,7 +89,16 @@ log = logging.getLogger(__name__)
 
 OVERALL = "*"  # the profile of every task's keys together (what one shared L1 sees)
 
-Sizer = Callable[[str, Any], int]
+# (key, value) -> a use's L1 bytes, or (L1 bytes, L2 bytes as Redis counts them toward
+# maxmemory, the Redis keys those are); a bare int is taken to be one entry in both tiers (L2:
+# plus REDIS_ENTRY_OVERHEAD).
+Sizer = Callable[[str, Any], "int | tuple[int, int, int]"]
+
+
+def footprint(size: int | tuple[int, ...]) -> tuple[int, int, int]:
+    if isinstance(size, tuple):
+        return int(size[0]), int(size[1]), int(size[2]) if len(size) > 2 else 1
+    return int(size), int(size) + REDIS_ENTRY_OVERHEAD, 1
 
 
 def key_hash(key: str) -> int:
@@ -116,9 +157,15 @@ class _Fenwick:
 @dataclass
 class _Tracked:
     stamp: int  # position of its last use in the Fenwick tree
-    size: int  # its entry's bytes in L1 (key + encoded value)
+    size: int  # a use's bytes in L1 (key + encoded value, and its raw-input alias's)
     last_at: float
     hash: int
+    l2_size: int  # and in L2 (with Redis's per-key overhead)
+    l2_keys: int  # the Redis keys those are (the result, and its alias where aliases go to Redis)
+
+    @property
+    def packed(self) -> int:
+        return self.l2_size * _COUNT_UNIT + self.size
 
 
 @dataclass
@@ -128,16 +175,31 @@ class _Counts:
     requests: int = 0
     weight: float = 0.0  # sampled references, each weighted 1/R
     lost: float = 0.0  # sampled references dropped on a full queue, weighted 1/R: not estimated
+    served_l1: int = 0  # requests the tiers answered: from L1, from L2 (what the curves predict)
+    served_l2: int = 0
     l1: dict[int, float] = field(default_factory=dict)  # distance bin -> weight of hits
     l2: dict[int, float] = field(default_factory=dict)
+    # OVERALL only: each task's requests and distances in the shared stream (what the shared
+    # L1 and Redis serve that task)
+    tasks: dict[str, _Counts] = field(default_factory=dict)
 
     def merge(self, other: _Counts) -> None:
         self.requests += other.requests
         self.weight += other.weight
         self.lost += other.lost
+        self.served_l1 += other.served_l1
+        self.served_l2 += other.served_l2
         for mine, theirs in ((self.l1, other.l1), (self.l2, other.l2)):
             for index, w in theirs.items():
                 mine[index] = mine.get(index, 0.0) + w
+        for task, counts in other.tasks.items():
+            self.task(task).merge(counts)
+
+    def task(self, task: str) -> _Counts:
+        counts = self.tasks.get(task)
+        if counts is None:
+            counts = self.tasks[task] = _Counts()
+        return counts
 
 
 class ReuseProfile:
@@ -167,13 +229,21 @@ class ReuseProfile:
     def threshold(self) -> int:
         return self._threshold
 
-    def add_requests(self, count: int, now: float, lost: float = 0.0) -> None:
+    def add_requests(
+        self, count: int, now: float, lost: float = 0.0, task: str | None = None,
+        served: tuple[int, int] = (0, 0),
+    ) -> None:  # fmt: skip
         """`count` requests of this stream (sampled or not); `lost`: the weight of those queued
-        for the sample but dropped on a full queue (it leaves the estimate, not skew it)."""
+        for the sample but dropped on a full queue (it leaves the estimate, not skew it);
+        `task`: whose (the profile of every task keeps each task's share too); `served`: how
+        many of them L1 and L2 answered."""
         with self._lock:
             counts = self._bucket(now)
-            counts.requests += count
-            counts.lost += lost
+            for c in (counts,) if task is None else (counts, counts.task(task)):
+                c.requests += count
+                c.lost += lost
+                c.served_l1 += served[0]
+                c.served_l2 += served[1]
 
     def lower(self, threshold: int) -> None:
         """Sample under `threshold` from now on (never raised): keys above it are forgotten."""
@@ -182,36 +252,41 @@ class ReuseProfile:
                 self._threshold = max(1, threshold)
                 self._forget_above(self._threshold)
 
-    def observe(self, key: str, h: int, now: float, size_of: Callable[[], int]) -> None:
+    def observe(
+        self, key: str, h: int, now: float, size_of: Callable[[], tuple[int, int]], task: str | None = None
+    ) -> None:
+        """`task`: whose use this is, recorded in the bucket's `tasks` too (the profile of all tasks)."""
         with self._lock:
             if h >= self._threshold:
                 return
-            counts = self._bucket(now)
+            bucket = self._bucket(now)
             weight = HASH_SPACE / self._threshold
-            counts.weight += weight
             tracked = self._keys.get(key)
             if tracked is None:  # a first use: a miss at every size
+                for counts in (bucket,) if task is None else (bucket, bucket.task(task)):
+                    counts.weight += weight
                 self._track(key, h, now, size_of())
                 return
-            tree, entry = self._tree, tracked.size + _COUNT_UNIT
-            count, size_sum = divmod(tree.total - tree.prefix(tracked.stamp), _COUNT_UNIT)
+            tree, entry = self._tree, tracked.packed
+            l2_sum, l1_sum = divmod(tree.total - tree.prefix(tracked.stamp), _COUNT_UNIT)
             gap = now - tracked.last_at
-            l1 = size_sum * weight + tracked.size
-            if gap <= self._ttl[0]:
-                index = _bin(l1)
-                counts.l1[index] = counts.l1.get(index, 0.0) + weight
-            if gap <= self._ttl[1]:
-                index = _bin(l1 + (count * weight + 1) * REDIS_ENTRY_OVERHEAD)
-                counts.l2[index] = counts.l2.get(index, 0.0) + weight
+            l1 = _bin(l1_sum * weight + tracked.size) if gap <= self._ttl[0] else None
+            l2 = _bin(l2_sum * weight + tracked.l2_size) if gap <= self._ttl[1] else None
+            for counts in (bucket,) if task is None else (bucket, bucket.task(task)):
+                counts.weight += weight
+                if l1 is not None:
+                    counts.l1[l1] = counts.l1.get(l1, 0.0) + weight
+                if l2 is not None:
+                    counts.l2[l2] = counts.l2.get(l2, 0.0) + weight
             stamp = self._stamp()  # first: a renumbering moves this key's old stamp too
             self._tree.add(tracked.stamp, -entry)
             self._tree.add(stamp, entry)
             tracked.stamp, tracked.last_at = stamp, now
 
-    def _track(self, key: str, h: int, now: float, size: int) -> None:
-        tracked = _Tracked(self._stamp(), size, now, h)
+    def _track(self, key: str, h: int, now: float, size: tuple[int, int, int]) -> None:
+        tracked = _Tracked(self._stamp(), size[0], now, h, size[1], size[2])
         self._keys[key] = tracked
-        self._tree.add(tracked.stamp, size + _COUNT_UNIT)
+        self._tree.add(tracked.stamp, tracked.packed)
         heapq.heappush(self._heap, (-h, key))
         while len(self._keys) > self._max_keys:
             # Lower the threshold to the largest tracked hash: that key (and any equal) leaves.
@@ -222,13 +297,13 @@ class ReuseProfile:
         while self._heap and -self._heap[0][0] >= threshold:
             _, gone = heapq.heappop(self._heap)
             dropped = self._keys.pop(gone)
-            self._tree.add(dropped.stamp, -(dropped.size + _COUNT_UNIT))
+            self._tree.add(dropped.stamp, -dropped.packed)
 
     def _stamp(self) -> int:
         if self._next > self._capacity:  # renumber the live stamps 1..n, in order of last use
             ordered = sorted(self._keys.values(), key=lambda t: t.stamp)
             self._capacity = max(MIN_CAPACITY, 4 * len(ordered))
-            self._tree = _Fenwick.build([t.size + _COUNT_UNIT for t in ordered], self._capacity)
+            self._tree = _Fenwick.build([t.packed for t in ordered], self._capacity)
             for position, tracked in enumerate(ordered, start=1):
                 tracked.stamp = position
             self._next = len(ordered) + 1
@@ -267,6 +342,13 @@ class ReuseProfile:
     def tracked(self) -> int:
         return len(self._keys)
 
+    def l2_bytes_per_key(self) -> float | None:
+        """The mean bytes a Redis key of the sample costs (None: none sampled): how much of a
+        Redis's used memory its keys take, and so what is left to Redis itself."""
+        with self._lock:
+            keys = sum(t.l2_keys for t in self._keys.values())
+            return sum(t.l2_size for t in self._keys.values()) / keys if keys else None
+
 
 def hit_ratios(counts: _Counts, histogram: dict[int, float], sizes: Iterable[int]) -> list[float]:
     """The estimated hit ratio at each cache size (bytes), SHARDS_adj-corrected."""
@@ -284,13 +366,16 @@ def hit_ratios(counts: _Counts, histogram: dict[int, float], sizes: Iterable[int
 
 
 class _TaskGate:
-    """What the request path needs of a task: its request count and its sampling threshold
-    (one lookup; the threshold is replaced by the catch-up, read without a lock)."""
+    """What the request path needs of a task: its request count (and of those L1 and L2
+    answered) and its sampling threshold (one lookup; the threshold is replaced by the
+    catch-up, read without a lock)."""
 
-    __slots__ = ("count", "threshold")
+    __slots__ = ("count", "l1", "l2", "threshold")
 
     def __init__(self, threshold: int) -> None:
         self.count = itertools.count()  # next() is atomic under the GIL: exact, and no lock
+        self.l1 = itertools.count()
+        self.l2 = itertools.count()
         self.threshold = threshold
 
 
@@ -345,8 +430,9 @@ class KeySampler:
                                  full=HASH_SPACE)  # fmt: skip
         self._tasks: dict[str, _TaskGate] = {}  # read by the request path without a lock
         self._gate = HASH_SPACE  # a task not seen yet
-        self._reads: dict[str, int] = {}  # how often the drain read each counter (a read counts too)
-        self._counted: dict[str, int] = {}  # requests already added to the profiles
+        # (task, counter): how often the drain read it (a read counts too), what it added to the profiles
+        self._reads: dict[tuple[str, str], int] = {}
+        self._counted: dict[tuple[str, str], int] = {}
         self._overflow: dict[str, float] = {}  # task -> weight of queued uses dropped, not counted
         self._overflow_lock = threading.Lock()  # taken only on a full queue
         self._drain_lock = threading.Lock()
@@ -356,12 +442,17 @@ class KeySampler:
         self._cpu_s = 0.0
         self.dropped = 0
 
-    def observe(self, task: str, key: str, value: Any) -> None:
-        """One use of cache key `key` (any tier), on the request path: never raises."""
+    def observe(self, task: str, key: str, value: Any, tier: str | None = None) -> None:
+        """One use of cache key `key`, answered from `tier` ("l1", "l2", or another: a miss),
+        on the request path: never raises."""
         entry = self._tasks.get(task)
         if entry is None:
             entry = self._tasks.setdefault(task, _TaskGate(self._gate))
         next(entry.count)
+        if tier == "l1":
+            next(entry.l1)
+        elif tier == "l2":
+            next(entry.l2)
         gate = entry.threshold
         try:
             h = int(key[-8:], 16)  # key_hash inlined: this runs on every hit
@@ -417,17 +508,17 @@ class KeySampler:
     def _apply(self, task: str, key: str, value: Any, now: float) -> None:
         profile = self._profile(task)
         h = key_hash(key)
-        size: list[int] = []
+        size: list[tuple[int, int, int]] = []
 
-        def size_of() -> int:  # computed once, only for a key newly sampled
+        def size_of() -> tuple[int, int, int]:  # computed once, only for a key newly sampled
             if not size:
-                size.append(int(self._sizer(key, value)))
+                size.append(footprint(self._sizer(key, value)))
             return size[0]
 
         self._applied += 1
         try:
             profile.observe(key, h, now, size_of)
-            self._profiles[OVERALL].observe(key, h, now, size_of)
+            self._profiles[OVERALL].observe(key, h, now, size_of, task)
         except Exception:  # telemetry: a bad value is skipped, the sampler goes on
             log.exception("key sampler failed on a %s key", task)
 
@@ -435,16 +526,22 @@ class KeySampler:
         """Requests are counted in the bucket of the catch-up that adds them (within
         `period_s` of their time): reading a count costs the request path nothing."""
         for task, entry in self._tasks.copy().items():
-            reads = self._reads.get(task, 0)
-            total = next(entry.count) - reads  # each earlier read of ours advanced it by one
-            self._reads[task] = reads + 1
-            new = total - self._counted.get(task, 0)
-            self._counted[task] = total
+            counters = (("", entry.count), ("l1", entry.l1), ("l2", entry.l2))
+            new, l1, l2 = (self._read((task, name), counter) for name, counter in counters)
             with self._overflow_lock:
                 lost = self._overflow.pop(task, 0.0)
             if new or lost:
-                self._profile(task).add_requests(new, now, lost)
-                self._profiles[OVERALL].add_requests(new, now, lost)
+                self._profile(task).add_requests(new, now, lost, served=(l1, l2))
+                self._profiles[OVERALL].add_requests(new, now, lost, task, served=(l1, l2))
+
+    def _read(self, name: tuple[str, str], counter: itertools.count) -> int:
+        """What `counter` counted since the last read."""
+        reads = self._reads.get(name, 0)
+        total = next(counter) - reads  # each earlier read of ours advanced it by one
+        self._reads[name] = reads + 1
+        new = total - self._counted.get(name, 0)
+        self._counted[name] = total
+        return new
 
     def _govern(self, now: float) -> None:
         before = self._budget.threshold

@@ -14,6 +14,9 @@ import redis
 from storage.errors import CacheUnavailableError
 from storage.redis.store import RedisStore
 
+FIXED_MEMORY = ("used_memory_startup", "mem_clients_normal", "mem_clients_slaves", "used_memory_scripts",
+                "mem_cluster_links")  # fmt: skip
+
 
 @dataclass(frozen=True)
 class NodeHealth:
@@ -25,6 +28,9 @@ class NodeHealth:
     evicted_keys: int | None = None
     expired_keys: int | None = None
     keys: int | None = None  # every key of the node's database 0, not only this app's
+    # What Redis holds before any key, counted toward maxmemory: its memory at startup, its
+    # clients' buffers, scripts, cluster links (the rest of a limit is what entries can use)
+    fixed_memory: int | None = None
 
     @property
     def fill(self) -> float | None:
@@ -61,6 +67,6 @@ def read_health(store: RedisStore) -> list[NodeHealth]:
             node=shard, up=True, used_memory=int(info.get("used_memory", 0)),
             maxmemory=int(info.get("maxmemory", 0)), policy=str(info.get("maxmemory_policy", "")),
             evicted_keys=int(info.get("evicted_keys", 0)), expired_keys=int(info.get("expired_keys", 0)),
-            keys=int(info["keys"]),
+            keys=int(info["keys"]), fixed_memory=sum(int(info.get(name, 0)) for name in FIXED_MEMORY),
         ))  # fmt: skip
     return out
