@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SKIPPED_DIRS = {".venv", "data", "test-artifacts", "__pycache__", ".git", "node_modules"}
+SKIPPED_DIRS = {"data", "test-artifacts", "__pycache__", "node_modules"}
+
+
+def skipped(relative: Path) -> bool:
+    """Not ours: hidden folders (.git, .venv, .venv-triton, ...) and generated ones."""
+    return any(part.startswith(".") or part in SKIPPED_DIRS for part in relative.parts)
 
 # A module's floor is its first dotted part's; higher may import lower or equal.
 FLOORS: dict[str, int] = {
@@ -40,7 +45,7 @@ def source_files(root: Path) -> list[Path]:
         path
         for pattern in ("*.py", "*.pyi")
         for path in root.rglob(pattern)
-        if not SKIPPED_DIRS.intersection(path.relative_to(root).parts)
+        if not skipped(path.relative_to(root))
     )
 
 
@@ -103,7 +108,7 @@ RULE = "May import:"
 def package_rules(root: Path) -> dict[str, tuple[str, ...]]:
     rules: dict[str, tuple[str, ...]] = {}
     for init in sorted(root.rglob("__init__.py")):
-        if SKIPPED_DIRS.intersection(init.relative_to(root).parts):
+        if skipped(init.relative_to(root)):
             continue
         doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
         if RULE in doc:
