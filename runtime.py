@@ -19,6 +19,7 @@ from admin.hard_examples.service import HardExamplesCollector
 from admin.insights.service import Insights
 from admin.monitoring.device_health import DeviceMonitor
 from admin.monitoring.metrics import Metrics
+from common.startup_clock import phase
 from engine.cache.codec import ValueCodec
 from engine.cache.generation import LocalGeneration, RedisGeneration
 from engine.cache.l1_gate import GatedMemoryStore, GenerationConfirmations
@@ -153,13 +154,15 @@ def build_runtime(
     task's MODELS_CONFIG entry loaded again, when the models came from the config."""
     stack = ExitStack()
     try:
-        loaded = dict(models) if models is not None else dict(model_factory(settings))
+        with phase("models"):
+            loaded = dict(models) if models is not None else dict(model_factory(settings))
         if model_loader is None and models is None:
             specs = {spec.task: spec for spec in model_specs(settings)}
             options = load_options(settings)
             model_loader = lambda task: build_model(specs[task], options)  # noqa: E731
         settings.server.data_dir.mkdir(parents=True, exist_ok=True)
-        l2_url, notice = _resolve_l2(settings, stack)
+        with phase("L2 (Redis)"):
+            l2_url, notice = _resolve_l2(settings, stack)
 
         # With a shared Redis, L1 is served only while the generation is confirmed (engine.cache.l1_gate).
         confirmations = GenerationConfirmations(bound_s=settings.fleet.generation_confirm_s)
@@ -243,9 +246,10 @@ def build_runtime(
             engine.attach_fleet(fleet)
             lifecycle.attach_fleet(fleet)  # a reload here reaches every replica
 
-        db = make_engine(settings.effective_database_url)
-        stack.callback(db.dispose)
-        migrate(db)
+        with phase("SQL engine and migration"):
+            db = make_engine(settings.effective_database_url)
+            stack.callback(db.dispose)
+            migrate(db)
         writer = RequestLogWriter(
             db, to_row=record_to_row, retention_days=settings.log.retention_days,
             max_rows=settings.log.max_rows, replica=settings.server.replica_id,

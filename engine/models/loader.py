@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.startup_clock import phase
 from engine.errors import ModelLoadError
 from engine.inputs import CanonicalImage
 from engine.models.base import TOP_K, Classifier
@@ -73,7 +74,8 @@ def load_all(specs: Sequence[ModelSpec], options: LoadOptions) -> dict[str, Clas
     models: dict[str, Classifier] = {}
     for index, spec in enumerate(specs):
         try:
-            models[spec.task] = build_model(spec, options)
+            with phase(f"model {spec.task} ({spec.source})"):
+                models[spec.task] = build_model(spec, options)
         except ModelLoadError as exc:
             # Re-labelled with the entry's position: the message says which line to fix.
             message = str(exc).replace(spec.label(), spec.label(index), 1)
