@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.errors import ModelError, ModelLoadError
+from engine.errors import ModelLoadError
 from engine.inputs import CanonicalImage, canonicalize_image
 from engine.models.base import TOP_K, Prediction
 from engine.models.device import describe, select_device
@@ -107,8 +108,10 @@ class ImageClassifier(BackendSeam):
         max_upload_bytes: int,
         max_image_pixels: int,
         weights_path: Path | None = None,
+        lazy_torch: bool = False,
     ) -> None:
-        import timm
+        """`lazy_torch`: the torch module is built on first use (engine.models.onnx_backend's
+        BackendSeam), not here; the loader asks for it when onnxruntime serves from an export."""
         from torchvision.transforms import v2
 
         weights_path = weights_path or default_weights_path()
@@ -123,11 +126,9 @@ class ImageClassifier(BackendSeam):
         self._max_upload_bytes = max_upload_bytes
         self._max_image_pixels = max_image_pixels
         self.categories = imagenet_categories()
-
-        model = timm.create_model("efficientnet_lite0", pretrained=False, num_classes=1000)
-        source = torch.load(weights_path, map_location="cpu", weights_only=True)
-        model.load_state_dict(map_state_dict(source, model), strict=True)
-        self._model = model.eval().to(self._torch_device, dtype=self._dtype)
+        self._weights_path = weights_path
+        if not lazy_torch:
+            self._model = self._build_module()
         self._transform = v2.Compose(
             [
                 v2.Resize(RESIZE, antialias=True),
@@ -136,13 +137,31 @@ class ImageClassifier(BackendSeam):
                 v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
             ]
         )
-        self.version = self._digest(weights_path)
-        self._warm_up()
-        log.info("loaded %s %s on %s (%s)", self.name, self.version, self.device, self._dtype)
+        self.version = self._files_version = self._digest(weights_path.read_bytes())
+        if not lazy_torch:
+            self._warm_up()
+        log.info("loaded %s %s on %s (%s)%s", self.name, self.version, self.device, self._dtype,
+                 "; the torch module is built when needed" if lazy_torch else "")  # fmt: skip
 
-    def _digest(self, weights_path: Path) -> str:
+    def _build_module(self) -> torch.nn.Module:
+        import timm
+
+        model = timm.create_model("efficientnet_lite0", pretrained=False, num_classes=1000)
+        raw = self._weights_path.read_bytes()
+        source = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        model.load_state_dict(map_state_dict(source, model), strict=True)
+        version = getattr(self, "_files_version", None)  # before a top_k option (loader)
+        if version is not None and self._digest(raw) != version:  # built later than the version was read
+            raise ModelLoadError(f"the weights at {self._weights_path} changed since version {version} was "
+                                 "loaded: reload the model")  # fmt: skip
+        return model.eval().to(self._torch_device, dtype=self._dtype)
+
+    def _load_torch_module(self) -> torch.nn.Module:
+        return self._build_module()
+
+    def _digest(self, weights: bytes) -> str:
         digest = hashlib.sha256()
-        digest.update(weights_path.read_bytes())
+        digest.update(weights)
         settings = (
             f"{ARCH}|resize={RESIZE}|crop={CROP}|mean={IMAGENET_MEAN}|std={IMAGENET_STD}"
             f"|max_aspect={MAX_ASPECT}"
@@ -180,8 +199,7 @@ class ImageClassifier(BackendSeam):
         return probe_images(self.canonicalize)
 
     def predict_batch(self, inputs: Sequence[CanonicalImage]) -> list[Prediction]:
-        if self._model.training:
-            raise ModelError("refusing to serve a model in training mode")
+        self._refuse_training_mode()
         if not inputs:
             return []
         batch = torch.stack([self.preprocess(image) for image in inputs])

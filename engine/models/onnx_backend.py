@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from engine.errors import ModelError
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "onnxruntime")
@@ -153,10 +155,12 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def load_or_export(plan: Callable[[], ExportPlan], *, name: str, version: str, export_dir: Path | None,
-                   threads: int, fresh: bool = False,
-                   metadata: Callable[[], Mapping[str, str]] = dict) -> OnnxForward:  # fmt: skip
-    """The session for this model version: from its export file when one loads and names this
-    version, else exported now (and written, when there is an `export_dir`) with `metadata()`."""
+                   threads: int, fresh: bool = False, metadata: Callable[[], Mapping[str, str]] = dict,
+                   required: Sequence[str] = ()) -> OnnxForward:  # fmt: skip
+    """The session for this model version: from its export file when one loads, names this
+    version and holds every `required` metadata entry (what the model keeps there, e.g. the text
+    model's centroids: a file written before it kept them is made again, once), else exported now
+    (and written, when there is an `export_dir`) with `metadata()`."""
     def export(path: Path | None) -> bytes:
         started = time.perf_counter()
         exported = plan()
@@ -176,11 +180,15 @@ def load_or_export(plan: Callable[[], ExportPlan], *, name: str, version: str, e
         except Exception as exc:  # onnxruntime raises its own types for a file it cannot parse
             log.warning("export %s does not load (%s): exporting again", path, exc)
         else:
-            if session.metadata.get("model_version") == version:
+            missing = [key for key in required if key not in session.metadata]
+            if session.metadata.get("model_version") != version:
+                log.warning("export %s names model version %r, not %s: exporting again",
+                            path, session.metadata.get("model_version"), version)  # fmt: skip
+            elif missing:
+                log.info("export %s predates the %s it now keeps: exporting again", path, ", ".join(missing))
+            else:
                 log.info("reusing the ONNX export %s (session in %.2f s)", path, session.load_s)
                 return session
-            log.warning("export %s names model version %r, not %s: exporting again",
-                        path, session.metadata.get("model_version"), version)  # fmt: skip
     write_atomically(path, export(path))
     return OnnxForward(path, threads=threads)
 
@@ -258,21 +266,27 @@ def _try_attach(model: Any, *, export_dir: Path | None, threads: int, fresh: boo
             return computed
 
         def metadata() -> dict[str, str]:
-            return {"probe": json.dumps({"tag": tag, "answers": [a.to_plain() for a in reference()]})}
+            probe = json.dumps({"tag": tag, "answers": [a.to_plain() for a in reference()]})
+            return {"probe": probe, **getattr(model, "export_state", dict)()}
 
         session = load_or_export(model.export_plan, name=model.name, version=model.version,
-                                 export_dir=export_dir, threads=threads, fresh=fresh,
-                                 metadata=metadata)  # fmt: skip
+                                 export_dir=export_dir, threads=threads, fresh=fresh, metadata=metadata,
+                                 required=getattr(model, "export_state_keys", ()))  # fmt: skip
+        adopt = getattr(model, "adopt_export_state", lambda _metadata: False)
+        adopted = adopt(session.metadata)
         expected = _stored_answers(session.metadata.get("probe"), tag) or reference()
         model.use_onnx(session)
         got = _answers(model.predict_batch, probes, model)
     except Exception as exc:  # an exporter or runtime failure of any kind: torch keeps serving
         model.use_onnx(None)
+        getattr(model, "adopt_export_state", lambda _metadata: False)(None)  # torch serves with its own
         log.debug("%s: the onnxruntime backend failed", model.name, exc_info=True)  # the why, on demand
         return f"{type(exc).__name__}: {exc}"[:500]
     difference = compare(expected, got)
     if difference is not None:
         model.use_onnx(None)
+        if adopted:
+            adopt(None)
         return f"probe: {difference}"
     model.use_onnx(session, fallback=True)
     return None
@@ -338,12 +352,58 @@ class TorchThreads:
 
 class BackendSeam:
     """The forward-pass seam a classifier mixes in: `_pass(tensors)` runs the ONNX session
-    when one is attached, else the class's own `_torch_pass`."""
+    when one is attached, else the class's own `_torch_pass`.
+
+    The torch module (`_model`) may be built on first use (`_load_torch_module`): a built-in
+    served by onnxruntime from a reused export never builds it (no export, no probe reference,
+    no pass the session fails on), which is most of a second start's cost. What the model
+    computes with torch once per version and needs on either backend (the text model's intent
+    centroids) it keeps in the export (`export_state`, `adopt_export_state`)."""
 
     backend: str = "torch"
     backend_reason: str | None = None
     _onnx: OnnxForward | None = None
     _fallback: bool = False
+    _torch_module: torch.nn.Module | None = None
+    _torch_lock: threading.RLock | None = None
+    export_state_keys: tuple[str, ...] = ()
+
+    def _load_torch_module(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    @property
+    def _model(self) -> torch.nn.Module:
+        module = self._torch_module
+        if module is None:
+            lock = self._torch_lock
+            if lock is None:
+                lock = self._torch_lock = threading.RLock()
+            with lock:
+                if self._torch_module is None:
+                    started = time.perf_counter()
+                    self._torch_module = self._load_torch_module()
+                    log.info("%s: torch module built in %.2f s", getattr(self, "name", "model"),
+                             time.perf_counter() - started)  # fmt: skip
+                module = self._torch_module
+        return module
+
+    @_model.setter
+    def _model(self, module: torch.nn.Module) -> None:
+        self._torch_module = module
+
+    def _refuse_training_mode(self) -> None:
+        """A torch module in training mode is never served (dropout on); one not built is not."""
+        module = self._torch_module
+        if module is not None and module.training:
+            raise ModelError("refusing to serve a model in training mode")
+
+    def export_state(self) -> dict[str, str]:
+        """Metadata entries kept in the export beside the graph (computed with torch)."""
+        return {}
+
+    def adopt_export_state(self, metadata: Mapping[str, str] | None) -> bool:
+        """Takes what `export_state` kept (None: forget it); whether anything was taken."""
+        return False
 
     def _torch_pass(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
