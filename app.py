@@ -7,6 +7,7 @@ log (common.startup_clock), after malloc's arenas are limited."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from common.startup_clock import phase, process_age_s, record
@@ -19,20 +20,21 @@ def main() -> None:
     record("interpreter and logging", process_age_s())
     with phase("import torch"):
         import torch  # noqa: F401
-    with phase("import gradio"):
-        import gradio  # noqa: F401
-    with phase("import the app's modules"):
+    with phase("import the composition root (engine, storage, admin)"):
         from engine.models.config import ModelConfigError
-        from runtime import build_runtime, model_specs
+        from runtime import ModelsLoading, build_runtime, model_specs
         from settings import Settings, SettingsError
-        from ui.server import serve
     try:
         settings = Settings.from_env()
         model_specs(settings)  # a bad MODELS_CONFIG entry is named now, before anything starts
     except (SettingsError, ModelConfigError) as exc:  # a bad setting: its message, not a traceback
         logging.getLogger("app").error("refusing to start: %s", exc)
         raise SystemExit(1) from None
-    serve(settings, build_runtime=build_runtime)
+    # The models load while gradio is imported and the rest of the runtime is built.
+    models = ModelsLoading(settings)
+    with phase("import gradio and the UI"):
+        from ui.server import serve
+    serve(settings, build_runtime=functools.partial(build_runtime, model_factory=models))
 
 
 if __name__ == "__main__":
