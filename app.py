@@ -19,6 +19,7 @@ def main() -> None:
     configure_logging()  # the app's lines at INFO, libraries' at WARNING (see process_setup)
     record("interpreter and logging", process_age_s())
     with phase("import torch"):
+        import PIL.Image  # noqa: F401 - shared by both threads below: imported once, here
         import torch  # noqa: F401
     with phase("import the composition root (engine, storage, admin)"):
         from engine.models.config import ModelConfigError
