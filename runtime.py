@@ -5,6 +5,7 @@ reverse order. `app.py`, tests and benchmarks all start here."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
@@ -19,6 +20,7 @@ from admin.hard_examples.service import HardExamplesCollector
 from admin.insights.service import Insights
 from admin.monitoring.device_health import DeviceMonitor
 from admin.monitoring.metrics import Metrics
+from common.startup_clock import phase
 from engine.cache.codec import ValueCodec
 from engine.cache.generation import LocalGeneration, RedisGeneration
 from engine.cache.l1_gate import GatedMemoryStore, GenerationConfirmations
@@ -72,7 +74,37 @@ def load_options(settings: Settings) -> LoadOptions:
 def load_models(settings: Settings) -> dict[str, Classifier]:
     """The configured models, loaded once and each checked with a forward pass (import is
     cheap; this is not)."""
-    return load_all(model_specs(settings), load_options(settings))
+    with phase("models"):
+        return load_all(model_specs(settings), load_options(settings))
+
+
+class ModelsLoading:
+    """The configured models, loading in a thread from construction on, while the rest of the
+    start goes on (gradio's import, the private redis-server, the SQL migration): a
+    `model_factory` for `build_runtime`, which waits for them. A failure is raised there."""
+
+    def __init__(self, settings: Settings, factory: ModelFactory = load_models) -> None:
+        self._settings = settings
+        self._result: Mapping[str, Classifier] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._load, args=(factory,), name="models-loading",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _load(self, factory: ModelFactory) -> None:
+        try:
+            self._result = factory(self._settings)
+        except BaseException as exc:  # raised in the thread that asks for the models
+            self._error = exc
+
+    def __call__(self, settings: Settings) -> Mapping[str, Classifier]:
+        if settings is not self._settings:
+            raise ValueError("the models were loading for other settings")
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 @dataclass
@@ -153,13 +185,21 @@ def build_runtime(
     task's MODELS_CONFIG entry loaded again, when the models came from the config."""
     stack = ExitStack()
     try:
-        loaded = dict(models) if models is not None else dict(model_factory(settings))
+        # Redis and the SQL schema first: they need no model, and models may still be loading
+        # in another thread (ModelsLoading).
+        settings.server.data_dir.mkdir(parents=True, exist_ok=True)
+        with phase("L2 (Redis)"):
+            l2_url, notice = _resolve_l2(settings, stack)
+        with phase("SQL engine and migration"):
+            db = make_engine(settings.effective_database_url)
+            stack.callback(db.dispose)
+            migrate(db)
+        with phase("models (what is left to wait for)"):
+            loaded = dict(models) if models is not None else dict(model_factory(settings))
         if model_loader is None and models is None:
             specs = {spec.task: spec for spec in model_specs(settings)}
             options = load_options(settings)
             model_loader = lambda task: build_model(specs[task], options)  # noqa: E731
-        settings.server.data_dir.mkdir(parents=True, exist_ok=True)
-        l2_url, notice = _resolve_l2(settings, stack)
 
         # With a shared Redis, L1 is served only while the generation is confirmed (engine.cache.l1_gate).
         confirmations = GenerationConfirmations(bound_s=settings.fleet.generation_confirm_s)
@@ -243,9 +283,6 @@ def build_runtime(
             engine.attach_fleet(fleet)
             lifecycle.attach_fleet(fleet)  # a reload here reaches every replica
 
-        db = make_engine(settings.effective_database_url)
-        stack.callback(db.dispose)
-        migrate(db)
         writer = RequestLogWriter(
             db, to_row=record_to_row, retention_days=settings.log.retention_days,
             max_rows=settings.log.max_rows, replica=settings.server.replica_id,

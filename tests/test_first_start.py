@@ -51,6 +51,13 @@ def test_make_run_takes_the_port_and_ends_with_the_url_to_open(tmp_path: Path) -
         assert named[0] == data_dir.resolve() and named[1] == data_dir.resolve() / "onnx"
         assert named[2].is_file() and named[2].parent == data_dir.resolve()
         assert any(named[1].iterdir()), "the ONNX exports are where the line says"
+        # A first start exports the graphs: the log says what, for about how long, then how long it took.
+        for name in ("efficientnet-lite0", "all-MiniLM-L6-v2-intents"):
+            assert re.search(rf"exporting {name} \S+ to ONNX \(once per model version, then reused; ~\d+ s\)",
+                             text), name  # fmt: skip
+            done = re.search(rf"exported {name} \S+ to ONNX in [\d.]+ s \(\d+ MB\) → (\S+)", text)
+            assert done is not None and Path(done[1]).parent == named[1], name
+        assert re.search(r"start-up: ready: [\d.]+ s", text)
         page = httpx.get(url, timeout=30)
         assert page.status_code == 200 and "<html" in page.text.lower()
     finally:

@@ -423,3 +423,38 @@ def test_missing_weights_file_fails_to_load(tmp_path: Path) -> None:
             max_image_pixels=1_000_000,
             weights_path=tmp_path / "x.pth",
         )
+
+
+# --------------------------------------------------------------------------- preprocessing, no torchvision
+
+
+def test_the_image_preprocessing_is_torchvisions_bit_for_bit() -> None:
+    """engine.models.image computes torchvision.transforms.v2's pipeline itself (importing
+    torchvision costs seconds of a start): the same tensors, strides included, on odd sizes, and
+    the same class names."""
+    import numpy as np
+    from torchvision.models import ResNet50_Weights
+    from torchvision.transforms import v2
+
+    from engine.models.image import (
+        CROP,
+        IMAGENET_MEAN,
+        IMAGENET_STD,
+        RESIZE,
+        imagenet_categories,
+        imagenet_transform,
+    )
+
+    assert imagenet_categories() == list(ResNet50_Weights.IMAGENET1K_V2.meta["categories"])
+    steps = [v2.Resize(RESIZE, antialias=True), v2.CenterCrop(CROP), v2.ToDtype(torch.float32, scale=True),
+             v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]  # fmt: skip
+    reference = v2.Compose(steps)
+    rng = np.random.default_rng(7)
+    shapes = [(1, 1), (224, 224), (256, 256), (255, 257), (97, 131), (1000, 250), (250, 1000), (4, 16)]
+    shapes += [(int(rng.integers(50, 1200)), int(rng.integers(50, 1200))) for _ in range(12)]
+    for height, width in shapes:
+        if max(height, width) > 4 * min(height, width):  # preprocess crops such strips first
+            continue
+        chw = torch.from_numpy(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).permute(2, 0, 1)
+        want, got = reference(chw), imagenet_transform(chw)
+        assert torch.equal(want, got) and want.stride() == got.stride(), (height, width)

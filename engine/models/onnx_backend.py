@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from engine.errors import ModelError
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "onnxruntime")
@@ -90,7 +92,9 @@ class OnnxForward:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3
         source = str(model) if isinstance(model, Path) else model
+        started = time.perf_counter()
         self._session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+        self.load_s = time.perf_counter() - started
         self.inputs = tuple(i.name for i in self._session.get_inputs())
         self._output = self._session.get_outputs()[0].name
         self.metadata = dict(self._session.get_modelmeta().custom_metadata_map)
@@ -151,19 +155,24 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def load_or_export(plan: Callable[[], ExportPlan], *, name: str, version: str, export_dir: Path | None,
-                   threads: int, fresh: bool = False,
-                   metadata: Callable[[], Mapping[str, str]] = dict) -> OnnxForward:  # fmt: skip
-    """The session for this model version: from its export file when one loads and names this
-    version, else exported now (and written, when there is an `export_dir`) with `metadata()`."""
-    def export() -> bytes:
+                   threads: int, fresh: bool = False, metadata: Callable[[], Mapping[str, str]] = dict,
+                   required: Sequence[str] = ()) -> OnnxForward:  # fmt: skip
+    """The session for this model version: from its export file when one loads, names this
+    version and holds every `required` metadata entry (what the model keeps there, e.g. the text
+    model's centroids: a file written before it kept them is made again, once), else exported now
+    (and written, when there is an `export_dir`) with `metadata()`."""
+    def export(path: Path | None) -> bytes:
         started = time.perf_counter()
-        data = export_bytes(plan(), {**metadata(), "model_version": version})
-        log.info("exported %s %s to ONNX in %.1f s (%d bytes)", name, version,
-                 time.perf_counter() - started, len(data))  # fmt: skip
+        exported = plan()
+        log.info("exporting %s %s to ONNX (once per model version, then reused; ~%.0f s)…",
+                 name, version, export_estimate_s(exported.module))  # fmt: skip
+        data = export_bytes(exported, {**metadata(), "model_version": version})
+        log.info("exported %s %s to ONNX in %.1f s (%.0f MB)%s", name, version, time.perf_counter() - started,
+                 len(data) / 1e6, f" → {path}" if path is not None else "")  # fmt: skip
         return data
 
     if export_dir is None:
-        return OnnxForward(export(), threads=threads)
+        return OnnxForward(export(None), threads=threads)
     path = export_path(export_dir, name, version)
     if path.is_file() and not fresh:
         try:
@@ -171,13 +180,24 @@ def load_or_export(plan: Callable[[], ExportPlan], *, name: str, version: str, e
         except Exception as exc:  # onnxruntime raises its own types for a file it cannot parse
             log.warning("export %s does not load (%s): exporting again", path, exc)
         else:
-            if session.metadata.get("model_version") == version:
-                log.info("reusing the ONNX export %s", path)
+            missing = [key for key in required if key not in session.metadata]
+            if session.metadata.get("model_version") != version:
+                log.warning("export %s names model version %r, not %s: exporting again",
+                            path, session.metadata.get("model_version"), version)  # fmt: skip
+            elif missing:
+                log.info("export %s predates the %s it now keeps: exporting again", path, ", ".join(missing))
+            else:
+                log.info("reusing the ONNX export %s (session in %.2f s)", path, session.load_s)
                 return session
-            log.warning("export %s names model version %r, not %s: exporting again",
-                        path, session.metadata.get("model_version"), version)  # fmt: skip
-    write_atomically(path, export())
+    write_atomically(path, export(path))
     return OnnxForward(path, threads=threads)
+
+
+def export_estimate_s(module: torch.nn.Module) -> float:
+    """About how long the export takes, for the log (measured on 2 busy cores: 3.5 s for
+    EfficientNet-Lite0's 18 MB, 6.4 s for MiniLM's 90 MB)."""
+    size_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 1e6
+    return 2.0 + size_mb / 20
 
 
 def compare(torch_answers: Sequence[Any], onnx_answers: Sequence[Any]) -> str | None:
@@ -215,13 +235,15 @@ def attach(model: Any, requested: str, *, export_dir: Path | None, threads: int 
         log.warning("%s: %s", model.name, model.backend_reason)
         return
     threads = threads or torch.get_num_threads()
+    started = time.perf_counter()
     reason = _try_attach(model, export_dir=export_dir, threads=threads, fresh=False)
     if reason is not None and export_dir is not None and "probe" in reason:
         # A reused file that loads but answers otherwise is as bad as a corrupt one: make it again.
         reason = _try_attach(model, export_dir=export_dir, threads=threads, fresh=True)
     if reason is None:
         model.backend, model.backend_reason = "onnxruntime", None
-        log.info("%s %s: served by onnxruntime", model.name, model.version)
+        log.info("%s %s: served by onnxruntime (session and probe in %.2f s)", model.name, model.version,
+                 time.perf_counter() - started)  # fmt: skip
     else:
         model.backend, model.backend_reason = "torch", f"onnxruntime refused: {reason}"
         log.warning("%s %s stays on torch: %s", model.name, model.version, reason)
@@ -244,21 +266,27 @@ def _try_attach(model: Any, *, export_dir: Path | None, threads: int, fresh: boo
             return computed
 
         def metadata() -> dict[str, str]:
-            return {"probe": json.dumps({"tag": tag, "answers": [a.to_plain() for a in reference()]})}
+            probe = json.dumps({"tag": tag, "answers": [a.to_plain() for a in reference()]})
+            return {"probe": probe, **getattr(model, "export_state", dict)()}
 
         session = load_or_export(model.export_plan, name=model.name, version=model.version,
-                                 export_dir=export_dir, threads=threads, fresh=fresh,
-                                 metadata=metadata)  # fmt: skip
+                                 export_dir=export_dir, threads=threads, fresh=fresh, metadata=metadata,
+                                 required=getattr(model, "export_state_keys", ()))  # fmt: skip
+        adopt = getattr(model, "adopt_export_state", lambda _metadata: False)
+        adopted = adopt(session.metadata)
         expected = _stored_answers(session.metadata.get("probe"), tag) or reference()
         model.use_onnx(session)
         got = _answers(model.predict_batch, probes, model)
     except Exception as exc:  # an exporter or runtime failure of any kind: torch keeps serving
         model.use_onnx(None)
+        getattr(model, "adopt_export_state", lambda _metadata: False)(None)  # torch serves with its own
         log.debug("%s: the onnxruntime backend failed", model.name, exc_info=True)  # the why, on demand
         return f"{type(exc).__name__}: {exc}"[:500]
     difference = compare(expected, got)
     if difference is not None:
         model.use_onnx(None)
+        if adopted:
+            adopt(None)
         return f"probe: {difference}"
     model.use_onnx(session, fallback=True)
     return None
@@ -324,12 +352,58 @@ class TorchThreads:
 
 class BackendSeam:
     """The forward-pass seam a classifier mixes in: `_pass(tensors)` runs the ONNX session
-    when one is attached, else the class's own `_torch_pass`."""
+    when one is attached, else the class's own `_torch_pass`.
+
+    The torch module (`_model`) may be built on first use (`_load_torch_module`): a built-in
+    served by onnxruntime from a reused export never builds it (no export, no probe reference,
+    no pass the session fails on), which is most of a second start's cost. What the model
+    computes with torch once per version and needs on either backend (the text model's intent
+    centroids) it keeps in the export (`export_state`, `adopt_export_state`)."""
 
     backend: str = "torch"
     backend_reason: str | None = None
     _onnx: OnnxForward | None = None
     _fallback: bool = False
+    _torch_module: torch.nn.Module | None = None
+    _torch_lock: threading.RLock | None = None
+    export_state_keys: tuple[str, ...] = ()
+
+    def _load_torch_module(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    @property
+    def _model(self) -> torch.nn.Module:
+        module = self._torch_module
+        if module is None:
+            lock = self._torch_lock
+            if lock is None:
+                lock = self._torch_lock = threading.RLock()
+            with lock:
+                if self._torch_module is None:
+                    started = time.perf_counter()
+                    self._torch_module = self._load_torch_module()
+                    log.info("%s: torch module built in %.2f s", getattr(self, "name", "model"),
+                             time.perf_counter() - started)  # fmt: skip
+                module = self._torch_module
+        return module
+
+    @_model.setter
+    def _model(self, module: torch.nn.Module) -> None:
+        self._torch_module = module
+
+    def _refuse_training_mode(self) -> None:
+        """A torch module in training mode is never served (dropout on); one not built is not."""
+        module = self._torch_module
+        if module is not None and module.training:
+            raise ModelError("refusing to serve a model in training mode")
+
+    def export_state(self) -> dict[str, str]:
+        """Metadata entries kept in the export beside the graph (computed with torch)."""
+        return {}
+
+    def adopt_export_state(self, metadata: Mapping[str, str] | None) -> bool:
+        """Takes what `export_state` kept (None: forget it); whether anything was taken."""
+        return False
 
     def _torch_pass(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError

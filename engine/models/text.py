@@ -6,17 +6,20 @@ scores are a softmax over cosine similarity to each centroid, with a temperature
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 
-from engine.errors import ModelError, ModelLoadError
+from engine.errors import ModelLoadError
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import TOP_K, Prediction
 from engine.models.device import describe, in_owned_memory, select_device
@@ -88,8 +91,12 @@ class TextClassifier(BackendSeam):
         max_text_chars: int,
         model_dir: Path | None = None,
         intents_path: Path | None = None,
+        lazy_torch: bool = False,
     ) -> None:
-        from transformers import AutoModel, AutoTokenizer
+        """`lazy_torch`: the torch module is built on first use (engine.models.onnx_backend's
+        BackendSeam), and the intent centroids taken from the export (computed there by torch),
+        not here; the loader asks for it when onnxruntime serves from an export."""
+        from transformers import AutoTokenizer
 
         model_dir = model_dir or default_model_dir()
         if not (model_dir / "config.json").is_file():
@@ -100,11 +107,66 @@ class TextClassifier(BackendSeam):
         self.intents = IntentSet.load(intents_path or DEFAULT_INTENTS_PATH)
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self._lower_case = bool(getattr(self._tokenizer, "do_lower_case", False))
-        model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
-        self._model = in_owned_memory(model.eval().to(self._torch_device))
-        self.version = self._digest(model_dir)
-        self._centroids = self._build_centroids()
-        log.info("loaded %s %s on %s", self.name, self.version, self.device)
+        self._model_dir = model_dir
+        self._centroid_values: torch.Tensor | None = None
+        if not lazy_torch:
+            self._model = self._build_module()
+        self.version = self._files_version = self._digest(model_dir)
+        if not lazy_torch:
+            self._centroids = self._build_centroids()
+        log.info("loaded %s %s on %s%s", self.name, self.version, self.device,
+                 "; the torch module is built when needed" if lazy_torch else "")  # fmt: skip
+
+    def _build_module(self) -> torch.nn.Module:
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(str(self._model_dir), local_files_only=True)
+        module = in_owned_memory(model.eval().to(self._torch_device))
+        version = getattr(self, "_files_version", None)  # before a top_k option (loader)
+        if version is not None and self._digest(self._model_dir) != version:  # built after the version
+            raise ModelLoadError(f"the model files in {self._model_dir} changed since version {version} was "
+                                 "loaded: reload the model")  # fmt: skip
+        return module
+
+    def _load_torch_module(self) -> torch.nn.Module:
+        return self._build_module()
+
+    @property
+    def _centroids(self) -> torch.Tensor:
+        """The intents' centroids, computed by torch: here, or at the export (kept in it)."""
+        centroids = self._centroid_values
+        if centroids is None:
+            centroids = self._centroid_values = self._build_centroids()
+        return centroids
+
+    @_centroids.setter
+    def _centroids(self, centroids: torch.Tensor) -> None:
+        self._centroid_values = centroids
+
+    export_state_keys = ("centroids",)
+
+    def export_state(self) -> dict[str, str]:
+        values = self._centroids.detach().to("cpu", torch.float32).contiguous()
+        encoded = base64.b64encode(values.numpy().tobytes()).decode()
+        doc = {"version": self.version, "shape": list(values.shape), "float32": encoded}
+        return {"centroids": json.dumps(doc)}
+
+    def adopt_export_state(self, metadata: Mapping[str, str] | None) -> bool:
+        if metadata is None:
+            self._centroid_values = None  # computed by torch again when needed
+            return False
+        try:
+            doc = json.loads(metadata["centroids"])
+            shape = tuple(int(n) for n in doc["shape"])
+            if doc["version"] != self.version or len(shape) != 2 or shape[0] != len(self.intents.names):
+                return False
+            values = np.frombuffer(base64.b64decode(doc["float32"]), dtype=np.float32).reshape(shape)
+        except (KeyError, TypeError, ValueError):
+            return False
+        if not np.isfinite(values).all():
+            return False
+        self._centroid_values = torch.from_numpy(values.copy()).to(self._torch_device)
+        return True
 
     @property
     def intent_names(self) -> tuple[str, ...]:
@@ -120,12 +182,12 @@ class TextClassifier(BackendSeam):
         digest.update(f"pooling={POOLING}|l2norm|max_tokens={MAX_TOKENS}|fp32".encode())
         return digest.hexdigest()[:16]
 
-    def _embed(self, texts: Sequence[str]) -> torch.Tensor:
+    def _embed(self, texts: Sequence[str], *, on_torch: bool = False) -> torch.Tensor:
         encoded = self._tokenizer(
             list(texts), padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
         ).to(self._torch_device)
         with torch.inference_mode():
-            hidden = self._pass(encoded)
+            hidden = self._torch_pass(encoded) if on_torch else self._pass(encoded)
             mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
             return torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
@@ -147,7 +209,7 @@ class TextClassifier(BackendSeam):
         centroids = []
         for phrases in self.intents.examples:
             cleaned = [self.canonicalize(p).text for p in phrases]
-            centroids.append(self._embed(cleaned).mean(dim=0))
+            centroids.append(self._embed(cleaned, on_torch=True).mean(dim=0))
         return torch.nn.functional.normalize(torch.stack(centroids), p=2, dim=1)
 
     def canonicalize(self, raw: Any) -> CanonicalText:
@@ -156,8 +218,7 @@ class TextClassifier(BackendSeam):
         return CanonicalText(canonical.text.lower()) if self._lower_case else canonical
 
     def predict_batch(self, inputs: Sequence[CanonicalText]) -> list[Prediction]:
-        if self._model.training:
-            raise ModelError("refusing to serve a model in training mode")
+        self._refuse_training_mode()
         if not inputs:
             return []
         embeddings = self._embed([item.text for item in inputs])
