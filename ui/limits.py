@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from api import oip_body_limit
 from api.body import byte_count
@@ -45,6 +45,9 @@ GRADIO_PREFIX = "/gradio_api"
 UPLOAD_PATH = f"{GRADIO_PREFIX}/upload"
 ADMIN_PREFIX = "/admin/api/"
 ADMIN_ENTRY_PATHS = ("/admin/api/inspect", "/admin/api/evict")
+# A response whose Content-Length is at most this goes out in one write, head and body: one
+# send and one TCP segment instead of two (a cached REST hit's answer is ~0.5 KB).
+ONE_WRITE_BYTES = 64 * 1024
 
 
 # ---- the request head --------------------------------------------------------------
@@ -127,7 +130,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if size > limits.max_bytes:
                 self._refusal = (431, self._too_large())
                 raise _HeadRefused
+        cycle = self.cycle
         HttpToolsProtocol.on_headers_complete(self)
+        if self.cycle is not cycle:  # a new request's cycle (not an upgrade): it answers in one write
+            self.cycle.__class__ = _OneWriteCycle
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's answer to a parser error, which is how a callback's refusal surfaces.
@@ -171,6 +177,72 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
         self.transport.write(head + body)
         self.transport.close()
+
+
+class _OneWriteCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle, but the head of a small response with a
+    Content-Length is held until its body comes and goes out with it in one write (the same
+    bytes). A streamed or chunked response, a HEAD's, a 1xx/204/304 is sent as uvicorn sends it."""
+
+    async def send(self, message: Any) -> None:
+        starts = not self.response_started and message["type"] == "http.response.start"
+        if starts and _one_write(self, message):
+            transport = self.transport
+            self.transport = _HeldHead(transport)  # type: ignore[assignment]
+            try:
+                await RequestResponseCycle.send(self, message)
+            except BaseException:
+                self.transport = transport
+                raise
+            return
+        try:
+            await RequestResponseCycle.send(self, message)
+        finally:
+            held = self.transport
+            if isinstance(held, _HeldHead) and (held.sent or self.disconnected):
+                self.transport = held.transport
+
+
+def _one_write(cycle: RequestResponseCycle, message: Any) -> bool:
+    if cycle.scope["method"] == "HEAD" or message["status"] < 200 or message["status"] in (204, 304):
+        return False
+    for name, value in message.get("headers", ()):
+        if name.lower() == b"content-length":
+            size = byte_count(value.decode("latin-1"))
+            return size is not None and size <= ONE_WRITE_BYTES
+    return False
+
+
+class _HeldHead:
+    """A transport whose first write (a response's head) waits for the next (its body): one
+    write of both. Closing first sends what is held. Everything else is the transport's."""
+
+    __slots__ = ("_head", "sent", "transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self._head: bytes | None = None
+        self.sent = False
+
+    def write(self, data: bytes) -> None:
+        if self._head is None and not self.sent:
+            self._head = data
+            return
+        self._flush(data)
+
+    def close(self) -> None:
+        self._flush(b"")
+        self.transport.close()
+
+    def _flush(self, data: bytes) -> None:
+        if not self.sent:
+            self.sent = True
+            data = (self._head or b"") + data
+            self._head = None
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
 
 
 def limited_http_protocol(limits: HeaderLimits) -> type[LimitedHttpToolsProtocol]:
