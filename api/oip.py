@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+import threading
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable, Mapping, MutableMapping
 from functools import lru_cache, partial
 from typing import Any
 
@@ -35,11 +37,13 @@ from api.docs import INFER_DOCS, INFER_RESPONSES, INPUT_NAME
 from api.errors import RequestRefused, quote
 from api.tensors import (
     OUTPUT_NAMES,
+    EncodedOutputs,
     InferRequest,
     OutputTensor,
     RequestedOutput,
     dumps,
     encode_infer_response,
+    encode_outputs,
     parse_infer_request,
 )
 from engine.capacity.fairness import client_id
@@ -69,6 +73,13 @@ INLINE_BINARY_BYTES = 512 * 1024
 # loop it costs nothing, and a client that ignores Retry-After from a few connections is
 # slowed to a few requests a second instead of taking the loop from everyone's hits.
 REFUSAL_HOLD_S = 0.5
+# A repeated small body (a client asking the same again: what makes a cached hit) is parsed
+# once: the parsed request (immutable) is kept by its bytes, for the last REPEAT_ENTRIES bodies
+# up to REPEAT_BODY_BYTES each (at most 4 MiB). So are the encoded outputs of a one-element
+# answer, by (result key, requested outputs): an entry's answer never changes under its key
+# (checked: a recomputed answer is encoded anew), only `cache_info` differs between answers.
+REPEAT_BODY_BYTES = 4 * 1024
+REPEAT_ENTRIES = 1024
 IMAGE_AS_BYTES = (
     'Send the image file\'s bytes: base64 in JSON with "parameters": {"content_type": "base64"}, '
     "or as binary data."
@@ -343,19 +354,72 @@ async def _infer(
     """(body, JSON header length or None for plain JSON), or an exception to refuse with."""
     model = _model(engine, task, version)  # before the body: an unknown model costs no read
     body = await read_body(headers, receive, limit=max_body_bytes)
-    parse = partial(
-        parse_infer_request, body, headers.get("inference-header-content-length"),
-        input_name=INPUT_NAME, max_elements=max_batch,
-    )  # fmt: skip
-    inline = _inline(body, headers.get("inference-header-content-length"))
-    parsed = parse() if inline else await anyio.to_thread.run_sync(parse)
+    header_length = headers.get("inference-header-content-length")
+    parse = partial(parse_infer_request, body, header_length, input_name=INPUT_NAME, max_elements=max_batch)
+    inline = _inline(body, header_length)
+    if len(body) <= REPEAT_BODY_BYTES:
+        parsed = _PARSED.get_or_make((body, header_length, max_batch), parse)
+    else:
+        parsed = parse() if inline else await anyio.to_thread.run_sync(parse)
     text = _takes_text(model)
     raws = [_engine_input(element, text=text) for element in parsed.elements]
     results = await _classify_all(engine, task, raws, from_memory=inline, client=client)
     if version is not None and any(r.model_version != version for r in results):
         raise RequestRefused(404, f"Model {task!r} was replaced during the request; version {version!r} "
                                   "is no longer served.")  # fmt: skip
-    return encode_infer_response(_response_header(task, parsed, results), _outputs(parsed, results))
+    return encode_infer_response(_response_header(task, parsed, results), _encoded_outputs(parsed, results))
+
+
+class _Repeats:
+    """A small LRU, safe across threads (each server's loop, the FastAPI routes' threads)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            if len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def get_or_make(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        value = self.get(key)
+        if value is None:
+            value = make()  # a refusal is raised, never kept
+            self.put(key, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+_PARSED = _Repeats(REPEAT_ENTRIES)  # (body, header length, max batch) -> InferRequest
+_ENCODED = _Repeats(REPEAT_ENTRIES)  # (key, outputs, binary) -> (Prediction, EncodedOutputs)
+
+
+def _encoded_outputs(parsed: InferRequest, results: list[ClassifyResult]) -> EncodedOutputs:
+    if len(results) != 1:
+        return encode_outputs(_outputs(parsed, results))
+    result = results[0]
+    spec = (result.key, parsed.outputs, parsed.binary_output)
+    kept = _ENCODED.get(spec)
+    # The answer under a key is the same unless the entry was evicted and computed again.
+    if kept is not None and (kept[0] is result.prediction or kept[0] == result.prediction):
+        return kept[1]  # type: ignore[no-any-return]
+    encoded = encode_outputs(_outputs(parsed, results))
+    _ENCODED.put(spec, (result.prediction, encoded))
+    return encoded
 
 
 def _inline(body: bytes, header_length: str | None) -> bool:

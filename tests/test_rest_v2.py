@@ -701,3 +701,30 @@ def test_which_bodies_are_taken_on_the_event_loop() -> None:
     assert not _inline(b64 + bytes(300_000), str(len(b64)))
     for bad in ("", "12x", "²", "9" * 30, str(INLINE_PARSE_BYTES + 1)):
         assert not _inline(photo, bad)
+
+
+def test_kept_outputs_follow_a_recomputed_answer_under_the_same_key() -> None:
+    """api.oip keeps a one-element answer's encoded outputs by key; an entry evicted (shadow
+    verification) and computed again with another answer must be encoded anew."""
+    from api.oip import _encoded_outputs, _outputs
+    from api.tensors import RequestedOutput, encode_outputs, parse_infer_request
+    from engine.models.base import Prediction
+    from engine.pipeline.results import ClassifyResult
+
+    outputs = [{"name": "label"}, {"name": "score", "parameters": {"binary_data": True}}]
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["hi"]}],
+                       "outputs": outputs})  # fmt: skip
+    parsed = parse_infer_request(body.encode(), None, input_name="input", max_elements=4)
+    assert parsed.outputs == (RequestedOutput("label", None), RequestedOutput("score", True))
+
+    def result(labels: tuple[tuple[str, float], ...], latency_ms: float) -> ClassifyResult:
+        return ClassifyResult(Prediction(labels), "l1", "infcache:text:v1:0:kept-outputs", "m", "v1", 0,
+                              latency_ms, "cpu", 1.0)  # fmt: skip
+
+    first = result((("a", 0.75), ("b", 0.25)), 0.1)
+    once = _encoded_outputs(parsed, [first])
+    assert _encoded_outputs(parsed, [result(first.prediction.labels, 0.2)]) is once  # kept
+    other = result((("b", 0.5), ("a", 0.5)), 0.3)
+    fresh = _encoded_outputs(parsed, [other])
+    assert fresh is not once and b'"b","a"' in fresh.described_json
+    assert fresh == encode_outputs(_outputs(parsed, [other]))
