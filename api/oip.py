@@ -157,6 +157,7 @@ class DirectInfer:
 
     def __init__(self, engine: InferenceEngine, *, max_body_bytes: int, max_batch: int = MAX_BATCH) -> None:
         self._serve = partial(_serve_infer, engine, max_body_bytes=max_body_bytes, max_batch=max_batch)
+        self._engine, self._max_batch = engine, max_batch
 
     def path_params(self, scope: Scope) -> dict[str, str] | None:
         """The route's path parameters when `scope` is an infer request, else None."""
@@ -185,11 +186,22 @@ class DirectInfer:
         except Exception:  # what Starlette's ServerErrorMiddleware does on the routed path
             log.exception("infer failed: %s %s", scope["method"], scope["path"][:200])
             if not started:
-                await _send(send, 500, _error_body("Internal server error."), b"application/json")
+                await _send(send, *_answer_of(500, _error_body("Internal server error."), _JSON))
+
+    def answer_now(self, scope: Scope, body: bytes) -> Answer | None:
+        """The answer to a complete infer request (`scope` with its path parameters, `body`
+        as received), when it is one small element whose answer this replica's memory holds:
+        what the handler would send, made at once, without a task or the ASGI messages (the
+        server's protocol calls it, ui.limits). The hit is logged and counted as the handler's
+        is. None, with nothing counted: anything else (a miss, a refusal, a batch, a large or
+        compressed body), for the handler to answer."""
+        return _answer_now(self._engine, scope, body, self._max_batch)
 
 
 Scope = MutableMapping[str, Any]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
+_JSON = b"application/json"
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 _ASGI_HANDLER = "oip_asgi_handler"  # the endpoint's attribute naming its plain ASGI handler
 _WANTED_HEADERS = (b"content-length", b"content-encoding", b"inference-header-content-length")
@@ -220,7 +232,7 @@ class _InferRoute(APIRoute):
         if scope["method"] != "POST":
             message = f"Method {scope['method']} is not allowed here; inference requests are POST."
             log.warning("refused %s %s: 405 %s", scope["method"], scope["path"][:200], message)
-            await _send(send, 405, _error_body(message), b"application/json", (b"allow", b"POST"))
+            await _send(send, *_answer_of(405, _error_body(message), _JSON, (b"allow", b"POST")))
             return
         if handler is None:
             await super().handle(scope, receive, send)
@@ -252,10 +264,7 @@ async def _serve_infer(
 ) -> None:
     """POST /v2/models/{model}[/versions/{version}]/infer as a plain ASGI handler."""
     params = scope["path_params"]
-    headers: dict[str, str] = {}
-    for name, value in scope["headers"]:
-        if name in _WANTED_HEADERS and name not in headers:  # the first, as Starlette's Headers
-            headers[name.decode("latin-1")] = value.decode("latin-1")
+    headers = _wanted_headers(scope)
     client = _client_id((scope.get("client") or ("",))[0])  # as engine.capacity.forwarding left it
     try:
         content, header_length = await _infer(engine, params["model"], params.get("version"), headers,
@@ -269,21 +278,68 @@ async def _serve_infer(
         # A refused miss is logged by the engine's request log and metrics, not once per request here.
         if status != 429:
             log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], status, message)
-        await _send(send, status, _error_body(message), b"application/json", *extra)
+        await _send(send, *_answer_of(status, _error_body(message), _JSON, *extra))
         return
+    await _send(send, *_answered(content, header_length))
+
+
+def _wanted_headers(scope: Scope) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        if name in _WANTED_HEADERS and name not in headers:  # the first, as Starlette's Headers
+            headers[name.decode("latin-1")] = value.decode("latin-1")
+    return headers
+
+
+def _answered(content: bytes, header_length: int | None) -> Answer:
     if header_length is None:
-        await _send(send, 200, content, b"application/json")
-    else:
-        await _send(send, 200, content, b"application/octet-stream",
-                    (b"inference-header-content-length", str(header_length).encode()))  # fmt: skip
+        return _answer_of(200, content, _JSON)
+    return _answer_of(200, content, b"application/octet-stream",
+                      (b"inference-header-content-length", str(header_length).encode()))  # fmt: skip
 
 
-async def _send(
-    send: Send, status: int, body: bytes, content_type: bytes, *extra: tuple[bytes, bytes]
-) -> None:
+def _answer_of(status: int, body: bytes, content_type: bytes, *extra: tuple[bytes, bytes]) -> Answer:
     headers = [(b"content-length", str(len(body)).encode()), (b"content-type", content_type), *extra]
+    return status, headers, body
+
+
+async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _answer_now(engine: InferenceEngine, scope: Scope, body: bytes, max_batch: int) -> Answer | None:
+    """DirectInfer.answer_now: `_infer` for one small element held in memory, or None before
+    anything is counted."""
+    if len(body) > REPEAT_BODY_BYTES:
+        return None
+    headers = _wanted_headers(scope)
+    if headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+        return None
+    params = scope["path_params"]
+    task, version = params["model"], params.get("version")
+    model = engine.models.get(task)
+    if model is None or (version is not None and version != model.version):
+        return None
+    header_length = headers.get("inference-header-content-length")
+    parse = partial(parse_infer_request, body, header_length, input_name=INPUT_NAME, max_elements=max_batch)
+    try:
+        parsed = _PARSED.get_or_make((body, header_length, max_batch), parse)
+        if len(parsed.elements) != 1:
+            return None
+        raw = _engine_input(parsed.elements[0], text=_takes_text(model))
+    except RequestRefused:
+        return None
+    client = _client_id((scope.get("client") or ("",))[0])
+    result = engine.classify_from_memory(task, raw, route=ROUTE, client=client)
+    if result is None:
+        return None
+    if version is not None and result.model_version != version:  # counted: refused here, as _infer does
+        message = f"Model {task!r} was replaced during the request; version {version!r} is no longer served."
+        log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], 404, message)
+        return _answer_of(404, _error_body(message), _JSON)
+    return _answered(*encode_infer_response(_response_header(task, parsed, [result]),
+                                            _encoded_outputs(parsed, [result])))  # fmt: skip
 
 
 def _error_body(message: str) -> bytes:
