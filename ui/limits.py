@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from api import oip_body_limit
 from api.body import byte_count
@@ -85,10 +86,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # The app's `answer_now(scope, body)` (ui.startup.ServingApp), if it has one and no
-        # access log is kept (uvicorn's, which this path does not write).
-        answer_now = getattr(self.app, "answer_now", None)
-        self._answer_now = answer_now if self.answer_at_once and not self.access_log else None
+        # The app's `answer_now(scope, body)` (ui.startup.ServingApp), if it has one.
+        self._answer_now = getattr(self.app, "answer_now", None) if self.answer_at_once else None
         self._defer_task = False  # set while on_headers_complete runs for a request that may qualify
         self._deferred: tuple[RequestResponseCycle, Any] | None = None  # its cycle and app, body pending
         self._head_open = False  # a request has begun and its headers are not complete
@@ -200,7 +199,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if answer is None:
             return False
         status, headers, body = answer
-        # As uvicorn's RequestResponseCycle.send writes a head and a body with a Content-Length.
+        # As uvicorn's RequestResponseCycle.send logs and writes a head and a body with a Content-Length.
+        if self.access_log:
+            scope = cycle.scope
+            path = get_path_with_query_string(scope)
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], path,
+                                    scope["http_version"], status)  # fmt: skip
         content = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             content.extend((name.lower(), b": ", value, b"\r\n"))
