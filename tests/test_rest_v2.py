@@ -745,9 +745,10 @@ def _exchange(sock: socket.socket, request: bytes) -> tuple[list[bytes], bytes]:
 
 
 def _comparable(lines: list[bytes], body: bytes) -> tuple[list[bytes], Any]:
-    """What must not differ between two answers of one hit: all but the date, the length, and
-    the latency and age (which cache_info reports per answer)."""
-    kept = [line for line in lines if not line.lower().startswith((b"date:", b"content-length:"))]
+    """What must not differ between two answers of one hit: all but the date, the lengths, and
+    the latency and age (which cache_info reports per answer; the lengths follow from them)."""
+    varying = (b"date:", b"content-length:", b"inference-header-content-length:")
+    kept = [line.split(b":")[0] if line.lower().startswith(varying) else line for line in lines]
     lengths = [int(line.split(b":")[1]) for line in lines
                if line.lower().startswith(b"inference-header-content-length:")]  # fmt: skip
     header_length = lengths[0] if lengths else len(body)

@@ -163,9 +163,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         declared = None
         for name, value in self.headers:
             if name == b"content-length":
-                if declared is not None:
-                    return False
-                declared = byte_count(value.decode("latin-1"))
+                if declared is not None or not (value.isdigit() and len(value) <= 5):
+                    return False  # the task's to refuse or to take
+                declared = int(value)
             elif name == b"transfer-encoding":
                 return False
         return declared is not None and declared <= ANSWER_AT_ONCE_BYTES
@@ -205,9 +205,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             path = get_path_with_query_string(scope)
             self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], path,
                                     scope["http_version"], status)  # fmt: skip
-        content = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
-            content.extend((name.lower(), b": ", value, b"\r\n"))
+        content = [STATUS_LINE[status], _default_head(self.server_state.default_headers)]
         for name, value in headers:
             content.extend((name, b": ", value, b"\r\n"))
         if not cycle.keep_alive:
@@ -264,6 +262,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
         self.transport.write(head + body)
         self.transport.close()
+
+
+_last_default_head: tuple[Any, bytes] = (None, b"")
+
+
+def _default_head(default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The server's default headers (date, server) as uvicorn writes them; uvicorn makes a new
+    list when the date changes (once a second), so the bytes are kept for the list."""
+    global _last_default_head
+    kept_for, head = _last_default_head
+    if kept_for is not default_headers:
+        head = b"".join(b"%b: %b\r\n" % (name.lower(), value) for name, value in default_headers)
+        _last_default_head = (default_headers, head)
+    return head
 
 
 class _OneWriteCycle(RequestResponseCycle):
