@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SKIPPED_DIRS = {".venv", "data", "test-artifacts", "__pycache__", ".git", "node_modules"}
+SKIPPED_DIRS = {".venv", ".venv-triton", "data", "test-artifacts", "__pycache__", ".git", "node_modules"}
 
 # A module's floor is its first dotted part's; higher may import lower or equal.
 FLOORS: dict[str, int] = {
