@@ -467,24 +467,24 @@ def _cycle_writes(one_write: bool, method: str, messages: list[dict[str, Any]]) 
     return transport
 
 
+def _start(length: int | None) -> dict[str, Any]:
+    headers = [] if length is None else [(b"content-length", b"%d" % length)]
+    return {"type": "http.response.start", "status": 200, "headers": headers}
+
+
+def _body(data: bytes, *, more: bool = False) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": data, "more_body": more}
+
+
 @pytest.mark.parametrize(
     ("method", "messages", "writes"),
     [
-        ("POST", [{"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]},
-                  {"type": "http.response.body", "body": b"hello"}], 1),
-        ("GET", [{"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]},
-                 {"type": "http.response.body", "body": b""}], 1),
-        ("GET", [{"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]},
-                 {"type": "http.response.body", "body": b"ab", "more_body": True},
-                 {"type": "http.response.body", "body": b"cd"}], 2),
-        ("HEAD", [{"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]},
-                  {"type": "http.response.body", "body": b""}], 1),
-        ("GET", [{"type": "http.response.start", "status": 200, "headers": []},  # chunked: as it comes
-                 {"type": "http.response.body", "body": b"ab", "more_body": True},
-                 {"type": "http.response.body", "body": b""}], 3),
-        ("GET", [{"type": "http.response.start", "status": 200,
-                  "headers": [(b"content-length", b"%d" % (70 * 1024))]},
-                 {"type": "http.response.body", "body": b"x" * (70 * 1024)}], 2),  # large: as uvicorn does
+        ("POST", [_start(5), _body(b"hello")], 1),
+        ("GET", [_start(0), _body(b"")], 1),
+        ("GET", [_start(4), _body(b"ab", more=True), _body(b"cd")], 2),
+        ("HEAD", [_start(5), _body(b"")], 1),
+        ("GET", [_start(None), _body(b"ab", more=True), _body(b"")], 3),  # chunked: as it comes
+        ("GET", [_start(70 * 1024), _body(b"x" * (70 * 1024))], 2),  # large: as uvicorn does
     ],
     ids=["small", "empty", "streamed-with-length", "head", "chunked", "large"],
 )
