@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+import threading
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable, Mapping, MutableMapping
 from functools import lru_cache, partial
 from typing import Any
 
@@ -35,11 +37,13 @@ from api.docs import INFER_DOCS, INFER_RESPONSES, INPUT_NAME
 from api.errors import RequestRefused, quote
 from api.tensors import (
     OUTPUT_NAMES,
+    EncodedOutputs,
     InferRequest,
     OutputTensor,
     RequestedOutput,
     dumps,
     encode_infer_response,
+    encode_outputs,
     parse_infer_request,
 )
 from engine.capacity.fairness import client_id
@@ -69,6 +73,13 @@ INLINE_BINARY_BYTES = 512 * 1024
 # loop it costs nothing, and a client that ignores Retry-After from a few connections is
 # slowed to a few requests a second instead of taking the loop from everyone's hits.
 REFUSAL_HOLD_S = 0.5
+# A repeated small body (a client asking the same again: what makes a cached hit) is parsed
+# once: the parsed request (immutable) is kept by its bytes, for the last REPEAT_ENTRIES bodies
+# up to REPEAT_BODY_BYTES each (at most 4 MiB). So are the encoded outputs of a one-element
+# answer, by (result key, requested outputs): an entry's answer never changes under its key
+# (checked: a recomputed answer is encoded anew), only `cache_info` differs between answers.
+REPEAT_BODY_BYTES = 4 * 1024
+REPEAT_ENTRIES = 1024
 IMAGE_AS_BYTES = (
     'Send the image file\'s bytes: base64 in JSON with "parameters": {"content_type": "base64"}, '
     "or as binary data."
@@ -146,6 +157,7 @@ class DirectInfer:
 
     def __init__(self, engine: InferenceEngine, *, max_body_bytes: int, max_batch: int = MAX_BATCH) -> None:
         self._serve = partial(_serve_infer, engine, max_body_bytes=max_body_bytes, max_batch=max_batch)
+        self._engine, self._max_batch = engine, max_batch
 
     def path_params(self, scope: Scope) -> dict[str, str] | None:
         """The route's path parameters when `scope` is an infer request, else None."""
@@ -174,11 +186,22 @@ class DirectInfer:
         except Exception:  # what Starlette's ServerErrorMiddleware does on the routed path
             log.exception("infer failed: %s %s", scope["method"], scope["path"][:200])
             if not started:
-                await _send(send, 500, _error_body("Internal server error."), b"application/json")
+                await _send(send, *_answer_of(500, _error_body("Internal server error."), _JSON))
+
+    def answer_now(self, scope: Scope, body: bytes) -> Answer | None:
+        """The answer to a complete infer request (`scope` with its path parameters, `body`
+        as received), when it is one small element whose answer this replica's memory holds:
+        what the handler would send, made at once, without a task or the ASGI messages (the
+        server's protocol calls it, ui.limits). The hit is logged and counted as the handler's
+        is. None, with nothing counted: anything else (a miss, a refusal, a batch, a large or
+        compressed body), for the handler to answer."""
+        return _answer_now(self._engine, scope, body, self._max_batch)
 
 
 Scope = MutableMapping[str, Any]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
+_JSON = b"application/json"
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 _ASGI_HANDLER = "oip_asgi_handler"  # the endpoint's attribute naming its plain ASGI handler
 _WANTED_HEADERS = (b"content-length", b"content-encoding", b"inference-header-content-length")
@@ -209,7 +232,7 @@ class _InferRoute(APIRoute):
         if scope["method"] != "POST":
             message = f"Method {scope['method']} is not allowed here; inference requests are POST."
             log.warning("refused %s %s: 405 %s", scope["method"], scope["path"][:200], message)
-            await _send(send, 405, _error_body(message), b"application/json", (b"allow", b"POST"))
+            await _send(send, *_answer_of(405, _error_body(message), _JSON, (b"allow", b"POST")))
             return
         if handler is None:
             await super().handle(scope, receive, send)
@@ -241,10 +264,7 @@ async def _serve_infer(
 ) -> None:
     """POST /v2/models/{model}[/versions/{version}]/infer as a plain ASGI handler."""
     params = scope["path_params"]
-    headers: dict[str, str] = {}
-    for name, value in scope["headers"]:
-        if name in _WANTED_HEADERS and name not in headers:  # the first, as Starlette's Headers
-            headers[name.decode("latin-1")] = value.decode("latin-1")
+    headers = _wanted_headers(scope)
     client = _client_id((scope.get("client") or ("",))[0])  # as engine.capacity.forwarding left it
     try:
         content, header_length = await _infer(engine, params["model"], params.get("version"), headers,
@@ -258,21 +278,68 @@ async def _serve_infer(
         # A refused miss is logged by the engine's request log and metrics, not once per request here.
         if status != 429:
             log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], status, message)
-        await _send(send, status, _error_body(message), b"application/json", *extra)
+        await _send(send, *_answer_of(status, _error_body(message), _JSON, *extra))
         return
+    await _send(send, *_answered(content, header_length))
+
+
+def _wanted_headers(scope: Scope) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        if name in _WANTED_HEADERS and name not in headers:  # the first, as Starlette's Headers
+            headers[name.decode("latin-1")] = value.decode("latin-1")
+    return headers
+
+
+def _answered(content: bytes, header_length: int | None) -> Answer:
     if header_length is None:
-        await _send(send, 200, content, b"application/json")
-    else:
-        await _send(send, 200, content, b"application/octet-stream",
-                    (b"inference-header-content-length", str(header_length).encode()))  # fmt: skip
+        return _answer_of(200, content, _JSON)
+    return _answer_of(200, content, b"application/octet-stream",
+                      (b"inference-header-content-length", str(header_length).encode()))  # fmt: skip
 
 
-async def _send(
-    send: Send, status: int, body: bytes, content_type: bytes, *extra: tuple[bytes, bytes]
-) -> None:
+def _answer_of(status: int, body: bytes, content_type: bytes, *extra: tuple[bytes, bytes]) -> Answer:
     headers = [(b"content-length", str(len(body)).encode()), (b"content-type", content_type), *extra]
+    return status, headers, body
+
+
+async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _answer_now(engine: InferenceEngine, scope: Scope, body: bytes, max_batch: int) -> Answer | None:
+    """DirectInfer.answer_now: `_infer` for one small element held in memory, or None before
+    anything is counted."""
+    if len(body) > REPEAT_BODY_BYTES:
+        return None
+    headers = _wanted_headers(scope)
+    if headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+        return None
+    params = scope["path_params"]
+    task, version = params["model"], params.get("version")
+    model = engine.models.get(task)
+    if model is None or (version is not None and version != model.version):
+        return None
+    header_length = headers.get("inference-header-content-length")
+    parse = partial(parse_infer_request, body, header_length, input_name=INPUT_NAME, max_elements=max_batch)
+    try:
+        parsed = _PARSED.get_or_make((body, header_length, max_batch), parse)
+        if len(parsed.elements) != 1:
+            return None
+        raw = _engine_input(parsed.elements[0], text=_takes_text(model))
+    except RequestRefused:
+        return None
+    client = _client_id((scope.get("client") or ("",))[0])
+    result = engine.classify_from_memory(task, raw, route=ROUTE, client=client)
+    if result is None:
+        return None
+    if version is not None and result.model_version != version:  # counted: refused here, as _infer does
+        message = f"Model {task!r} was replaced during the request; version {version!r} is no longer served."
+        log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], 404, message)
+        return _answer_of(404, _error_body(message), _JSON)
+    return _answered(*encode_infer_response(_response_header(task, parsed, [result]),
+                                            _encoded_outputs(parsed, [result])))  # fmt: skip
 
 
 def _error_body(message: str) -> bytes:
@@ -343,19 +410,72 @@ async def _infer(
     """(body, JSON header length or None for plain JSON), or an exception to refuse with."""
     model = _model(engine, task, version)  # before the body: an unknown model costs no read
     body = await read_body(headers, receive, limit=max_body_bytes)
-    parse = partial(
-        parse_infer_request, body, headers.get("inference-header-content-length"),
-        input_name=INPUT_NAME, max_elements=max_batch,
-    )  # fmt: skip
-    inline = _inline(body, headers.get("inference-header-content-length"))
-    parsed = parse() if inline else await anyio.to_thread.run_sync(parse)
+    header_length = headers.get("inference-header-content-length")
+    parse = partial(parse_infer_request, body, header_length, input_name=INPUT_NAME, max_elements=max_batch)
+    inline = _inline(body, header_length)
+    if len(body) <= REPEAT_BODY_BYTES:
+        parsed = _PARSED.get_or_make((body, header_length, max_batch), parse)
+    else:
+        parsed = parse() if inline else await anyio.to_thread.run_sync(parse)
     text = _takes_text(model)
     raws = [_engine_input(element, text=text) for element in parsed.elements]
     results = await _classify_all(engine, task, raws, from_memory=inline, client=client)
     if version is not None and any(r.model_version != version for r in results):
         raise RequestRefused(404, f"Model {task!r} was replaced during the request; version {version!r} "
                                   "is no longer served.")  # fmt: skip
-    return encode_infer_response(_response_header(task, parsed, results), _outputs(parsed, results))
+    return encode_infer_response(_response_header(task, parsed, results), _encoded_outputs(parsed, results))
+
+
+class _Repeats:
+    """A small LRU, safe across threads (each server's loop, the FastAPI routes' threads)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            if len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def get_or_make(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        value = self.get(key)
+        if value is None:
+            value = make()  # a refusal is raised, never kept
+            self.put(key, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+_PARSED = _Repeats(REPEAT_ENTRIES)  # (body, header length, max batch) -> InferRequest
+_ENCODED = _Repeats(REPEAT_ENTRIES)  # (key, outputs, binary) -> (Prediction, EncodedOutputs)
+
+
+def _encoded_outputs(parsed: InferRequest, results: list[ClassifyResult]) -> EncodedOutputs:
+    if len(results) != 1:
+        return encode_outputs(_outputs(parsed, results))
+    result = results[0]
+    spec = (result.key, parsed.outputs, parsed.binary_output)
+    kept = _ENCODED.get(spec)
+    # The answer under a key is the same unless the entry was evicted and computed again.
+    if kept is not None and (kept[0] is result.prediction or kept[0] == result.prediction):
+        return kept[1]  # type: ignore[no-any-return]
+    encoded = encode_outputs(_outputs(parsed, results))
+    _ENCODED.put(spec, (result.prediction, encoded))
+    return encoded
 
 
 def _inline(body: bytes, header_length: str | None) -> bool:

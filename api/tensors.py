@@ -332,11 +332,17 @@ def dumps(value: Any) -> bytes:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def encode_infer_response(
-    header: dict[str, Any], outputs: list[tuple[OutputTensor, bool]]
-) -> tuple[bytes, int | None]:
-    """(body, JSON header length). The length is None when every output is JSON, in which
-    case the body is plain JSON; otherwise the binary outputs follow the header in order."""
+@dataclass(frozen=True)
+class EncodedOutputs:
+    """A response's outputs, encoded once: what `encode_infer_response` appends to any header.
+    The same outputs of the same answer give the same bytes, so a caller may keep them."""
+
+    described: tuple[dict[str, Any], ...]  # the "outputs" list of the JSON header (never mutated)
+    described_json: bytes  # orjson's encoding of that list
+    binary: bytes | None  # the binary outputs' data, in order; None: every output is JSON
+
+
+def encode_outputs(outputs: list[tuple[OutputTensor, bool]]) -> EncodedOutputs:
     described = []
     binary_parts = []
     for tensor, binary in outputs:
@@ -349,10 +355,26 @@ def encode_infer_response(
         else:
             entry["data"] = _json_values(tensor)
         described.append(entry)
-    encoded = dumps({**header, "outputs": described})
-    if not binary_parts:
+    binary_data = b"".join(binary_parts) if binary_parts else None
+    return EncodedOutputs(tuple(described), orjson.dumps(described), binary_data)
+
+
+def encode_infer_response(
+    header: dict[str, Any], outputs: list[tuple[OutputTensor, bool]] | EncodedOutputs
+) -> tuple[bytes, int | None]:
+    """(body, JSON header length). The length is None when every output is JSON, in which
+    case the body is plain JSON; otherwise the binary outputs follow the header in order."""
+    encoded_outputs = outputs if isinstance(outputs, EncodedOutputs) else encode_outputs(outputs)
+    try:
+        # The header's JSON and the outputs' joined: the bytes orjson gives for the whole object.
+        head = orjson.dumps(header)
+        comma = b"," if header else b""
+        encoded = b'%b%b"outputs":%b}' % (head[:-1], comma, encoded_outputs.described_json)
+    except TypeError:  # something orjson refuses: the whole object through `dumps`, as it always was
+        encoded = dumps({**header, "outputs": list(encoded_outputs.described)})
+    if encoded_outputs.binary is None:
         return encoded, None
-    return b"".join([encoded, *binary_parts]), len(encoded)
+    return encoded + encoded_outputs.binary, len(encoded)
 
 
 def _tensor_bytes(tensor: OutputTensor) -> bytes:

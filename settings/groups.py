@@ -483,11 +483,14 @@ class Quality(Group):
 
     heading = "Shadow verification and hard examples"
 
-    # Share of cache hits recomputed off the request path, while the model is idle (0: off).
+    # Chance that a cache hit draws its entry for a recomputation off the request path, while the
+    # model is idle; each entry (key and answer) is checked once, not at every draw (0: off).
     shadow_sample_rate: Float = _rate(
         "SHADOW_SAMPLE_RATE", 0.01, shown="`0.01`",
-        description="Share of cache hits recomputed off the request path while the model is idle and "
-        "compared (tolerance 1e-5); a mismatch evicts the entry everywhere; `0` turns it off.",
+        description="Chance that a cache hit has its entry recomputed off the request path while the model "
+        "is idle and compared (tolerance 1e-5); each entry (key and answer) is checked once, so a hot key "
+        "is checked after about 1/rate of its hits and not again while its answer is unchanged; a mismatch "
+        "evicts the entry everywhere; `0` turns it off.",
     )  # fmt: skip
     # Hard examples (engine.quality.hard_examples): inputs per task the model was unsure of (top score
     # below HARD_EXAMPLE_MAX_SCORE or top-two margin below HARD_EXAMPLE_MIN_MARGIN, or shadow

@@ -4,6 +4,7 @@ ui.gradio_guard)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -16,12 +17,13 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from settings import Settings, SettingsError
 from storage.redis.embedded import free_port
 from tests.served_app import HealthWatch, Served, rss_bytes, served_app
 from ui.asgi import respond
-from ui.limits import UPLOAD_FORM_ALLOWANCE, BodyLimits, HeaderLimits
+from ui.limits import UPLOAD_FORM_ALLOWANCE, BodyLimits, HeaderLimits, _HeldHead, _OneWriteCycle
 from ui.server import BackgroundServer
 
 UPLOAD_LIMIT = 2 * 2**20  # MAX_UPLOAD_BYTES of the app under test: an upload flood stays quick
@@ -422,3 +424,85 @@ def test_an_upload_within_the_limit_still_works(served: Served, photo_bytes) -> 
     big = b"\0" * (UPLOAD_LIMIT + UPLOAD_FORM_ALLOWANCE)
     refused = served.http.post("/gradio_api/upload", files={"files": ("big.png", big, "image/png")})
     assert refused.status_code == 413 and "limit of" in refused.json()["detail"]
+
+
+# ---- one write per small answer ------------------------------------------------------
+
+
+class _Recorder:
+    """A transport that records writes (and the flow control uvicorn's cycle reads)."""
+
+    write_paused = False
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def _cycle_writes(one_write: bool, method: str, messages: list[dict[str, Any]]) -> _Recorder:
+    transport = _Recorder()
+    cycle = RequestResponseCycle(
+        scope={"method": method, "path": "/", "http_version": "1.1"}, transport=transport,  # type: ignore[arg-type]
+        flow=transport, logger=logging.getLogger("t"), access_logger=logging.getLogger("t"),  # type: ignore[arg-type]
+        access_log=False, default_headers=[(b"server", b"x")], message_event=asyncio.Event(),
+        expect_100_continue=False, keep_alive=True, on_response=lambda: None,
+    )  # fmt: skip
+    if one_write:
+        cycle.__class__ = _OneWriteCycle
+
+    async def run() -> None:
+        for message in messages:
+            await cycle.send(message)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    return transport
+
+
+def _start(length: int | None) -> dict[str, Any]:
+    headers = [] if length is None else [(b"content-length", b"%d" % length)]
+    return {"type": "http.response.start", "status": 200, "headers": headers}
+
+
+def _body(data: bytes, *, more: bool = False) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": data, "more_body": more}
+
+
+@pytest.mark.parametrize(
+    ("method", "messages", "writes"),
+    [
+        ("POST", [_start(5), _body(b"hello")], 1),
+        ("GET", [_start(0), _body(b"")], 1),
+        ("GET", [_start(4), _body(b"ab", more=True), _body(b"cd")], 2),
+        ("HEAD", [_start(5), _body(b"")], 1),
+        ("GET", [_start(None), _body(b"ab", more=True), _body(b"")], 3),  # chunked: as it comes
+        ("GET", [_start(70 * 1024), _body(b"x" * (70 * 1024))], 2),  # large: as uvicorn does
+    ],
+    ids=["small", "empty", "streamed-with-length", "head", "chunked", "large"],
+)
+def test_a_small_answer_goes_out_in_one_write(
+    method: str, messages: list[dict[str, Any]], writes: int
+) -> None:
+    ours, uvicorns = _cycle_writes(True, method, messages), _cycle_writes(False, method, messages)
+    assert b"".join(ours.writes) == b"".join(uvicorns.writes)  # the same bytes
+    assert len(ours.writes) == writes
+
+
+def test_a_held_head_is_sent_when_the_app_fails_after_it() -> None:
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]}
+    transport = _cycle_writes(True, "GET", [start])
+    assert transport.writes == []  # held for its body
+    # uvicorn closes the transport when an app fails after its head: the head goes first.
+    held = _HeldHead(transport)  # type: ignore[arg-type]
+    held.write(b"HEAD")
+    assert transport.writes == []
+    held.close()
+    assert transport.writes == [b"HEAD"] and transport.closed

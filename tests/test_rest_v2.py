@@ -701,3 +701,111 @@ def test_which_bodies_are_taken_on_the_event_loop() -> None:
     assert not _inline(b64 + bytes(300_000), str(len(b64)))
     for bad in ("", "12x", "²", "9" * 30, str(INLINE_PARSE_BYTES + 1)):
         assert not _inline(photo, bad)
+
+
+def test_kept_outputs_follow_a_recomputed_answer_under_the_same_key() -> None:
+    """api.oip keeps a one-element answer's encoded outputs by key; an entry evicted (shadow
+    verification) and computed again with another answer must be encoded anew."""
+    from api.oip import _encoded_outputs, _outputs
+    from api.tensors import RequestedOutput, encode_outputs, parse_infer_request
+    from engine.models.base import Prediction
+    from engine.pipeline.results import ClassifyResult
+
+    outputs = [{"name": "label"}, {"name": "score", "parameters": {"binary_data": True}}]
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": ["hi"]}],
+                       "outputs": outputs})  # fmt: skip
+    parsed = parse_infer_request(body.encode(), None, input_name="input", max_elements=4)
+    assert parsed.outputs == (RequestedOutput("label", None), RequestedOutput("score", True))
+
+    def result(labels: tuple[tuple[str, float], ...], latency_ms: float) -> ClassifyResult:
+        return ClassifyResult(Prediction(labels), "l1", "infcache:text:v1:0:kept-outputs", "m", "v1", 0,
+                              latency_ms, "cpu", 1.0)  # fmt: skip
+
+    first = result((("a", 0.75), ("b", 0.25)), 0.1)
+    once = _encoded_outputs(parsed, [first])
+    assert _encoded_outputs(parsed, [result(first.prediction.labels, 0.2)]) is once  # kept
+    other = result((("b", 0.5), ("a", 0.5)), 0.3)
+    fresh = _encoded_outputs(parsed, [other])
+    assert fresh is not once and b'"b","a"' in fresh.described_json
+    assert fresh == encode_outputs(_outputs(parsed, [other]))
+
+
+def _exchange(sock: socket.socket, request: bytes) -> tuple[list[bytes], bytes]:
+    """One request on a kept-alive connection: (the head's lines, the body)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.split(b"\r\n")
+    length = next(int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return lines, body
+
+
+def _comparable(lines: list[bytes], body: bytes) -> tuple[list[bytes], Any]:
+    """What must not differ between two answers of one hit: all but the date, the lengths, and
+    the latency and age (which cache_info reports per answer; the lengths follow from them)."""
+    varying = (b"date:", b"content-length:", b"inference-header-content-length:")
+    kept = [line.split(b":")[0] if line.lower().startswith(varying) else line for line in lines]
+    lengths = [int(line.split(b":")[1]) for line in lines
+               if line.lower().startswith(b"inference-header-content-length:")]  # fmt: skip
+    header_length = lengths[0] if lengths else len(body)
+    header = json.loads(body[:header_length])
+    for info in [header["parameters"], *json.loads(header["parameters"].pop("cache_info"))]:
+        info.pop("latency_ms"), info.pop("age_s")
+    return kept, (header, body[header_length:])
+
+
+def test_a_cached_hit_is_answered_at_once_as_its_task_would(serve_standin, monkeypatch) -> None:
+    """ui.limits asks api.oip's answer_now for a small complete request before it makes a task:
+    a hit is answered there, a miss goes on to the task; both answers are the same bytes but
+    for the date and the per-answer latency and age."""
+    import api.oip
+    from ui.limits import LimitedHttpToolsProtocol
+
+    served = serve_standin()
+    host, port = served.url.removeprefix("http://").split(":")
+    answered_now: list[bool] = []
+    real_answer_now = api.oip._answer_now
+
+    def spy(*args: Any) -> Any:
+        answer = real_answer_now(*args)
+        answered_now.append(answer is not None)
+        return answer
+
+    monkeypatch.setattr(api.oip, "_answer_now", spy)
+    as_json = {"id": "r1", **json_body(["hello at once"]), "outputs": [{"name": "label"}, {"name": "score"}]}
+    binary_header = {"inputs": [{"name": "input", "shape": [1], "datatype": "BYTES",
+                                 "parameters": {"binary_data_size": 17}}],
+                     "parameters": {"binary_data_output": True}}  # fmt: skip
+    bodies = {
+        "json": (json.dumps(as_json).encode(), b""),
+        "binary": (json.dumps(binary_header).encode(), b"\x0d\x00\x00\x00hello, binary"),
+    }
+
+    def request(kind: str) -> bytes:
+        header, data = bodies[kind]
+        extra = b"Inference-Header-Content-Length: %d\r\n" % len(header) if data else b""
+        head = b"POST /v2/models/text/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        return head + b"Content-Length: %d\r\n%b\r\n%b%b" % (len(header) + len(data), extra, header, data)
+
+    for kind in bodies:
+        answered_now.clear()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            miss = _exchange(sock, request(kind))
+            hit = _exchange(sock, request(kind))
+        assert answered_now == [False, True], (miss, hit)  # the miss through the task, the hit at once
+        assert b'"tier":"miss"' in miss[1] and b'"tier":"l1"' in hit[1]
+        monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", False)  # each new connection
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            through_task = _exchange(sock, request(kind))
+        monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", True)
+        assert answered_now == [False, True]  # not asked
+        assert hit[0][0] == b"HTTP/1.1 200 OK"
+        assert _comparable(*hit) == _comparable(*through_task)
+    # Both hits are in the request log and the metrics, as any hit.
+    metrics = httpx.get(served.url + "/metrics").text
+    assert any(line.startswith("infcache_requests_total{") and 'route="rest"' in line and 'tier="l1"' in line
+               and line.endswith(" 4.0") for line in metrics.splitlines()), metrics  # fmt: skip

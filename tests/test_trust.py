@@ -197,6 +197,37 @@ def test_shadow_checks_wait_until_the_model_is_idle() -> None:
         verifier.close()
 
 
+def test_shadow_checks_each_entry_once_not_each_hit() -> None:
+    model = CountingTextModel()
+    evicted: list[str] = []
+    verifier = ShadowVerifier(rate=1.0, model_for=lambda task: model, evict=evicted.append, idle=lambda: True)
+    verifier.start()
+    try:
+        key = f"infcache:text:{model.version}:0:abc"
+        canonical = model.canonicalize("hello")
+        right = model.predict_batch([canonical])[0]
+        for _ in range(20):  # a hot key: every hit drawn, its entry checked once
+            verifier.offer("text", key, CachedResult(right, model.version, 0.0), "hello", canonical)
+        assert verifier.wait_processed(1, timeout_s=5)
+        assert not verifier.wait_processed(2, timeout_s=0.2)
+        assert verifier.stats().checks == {"text": 1}
+        # Another answer under the same key (planted, or recomputed) is another entry: checked.
+        wrong = Prediction((("beta", 0.9), ("alpha", 0.1)))
+        for _ in range(3):
+            verifier.offer("text", key, CachedResult(wrong, model.version, 1.0), "hello", canonical)
+        assert verifier.wait_processed(2, timeout_s=5) and evicted == [key]
+        # Found out, it is forgotten: the same answer planted again is checked again.
+        verifier.offer("text", key, CachedResult(wrong, model.version, 2.0), "hello", canonical)
+        assert verifier.wait_processed(3, timeout_s=5) and evicted == [key, key]
+        assert verifier.stats().checks == {"text": 3} and verifier.stats().mismatches == {"text": 2}
+        # Another version or generation names another key: checked anew.
+        newer = f"infcache:text:{model.version}:1:abc"
+        verifier.offer("text", newer, CachedResult(right, model.version, 0.0), "hello", canonical)
+        assert verifier.wait_processed(4, timeout_s=5) and verifier.stats().checks == {"text": 4}
+    finally:
+        verifier.close()
+
+
 def test_shadow_sampling_is_off_at_rate_zero(make_runtime: Callable[..., Runtime]) -> None:
     runtime = make_runtime(quality__shadow_sample_rate=0.0)
     assert runtime.engine.shadow is None

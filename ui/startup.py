@@ -100,6 +100,10 @@ class DirectRoute(Protocol):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
 
+    def answer_now(self, scope: Scope, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The whole answer to a complete request, when it can be made at once (a cached hit),
+        else None with nothing done: the request then goes through `__call__`."""
+
 
 class ServingApp:
     """The ASGI app: a start-up gate in front of the app that `build_app(runtime)` makes."""
@@ -155,6 +159,24 @@ class ServingApp:
             await self._body_limits(routed, scope, receive, send)
         else:
             await routed(scope, receive, send)
+
+    def answer_now(self, scope: Scope, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """A complete HTTP request's whole answer (status, headers, body) when a direct route
+        can make it at once (api.DirectInfer.answer_now: a small REST request for a cached
+        answer), else None, with nothing counted or logged: serve it through `__call__`. The
+        server's protocol calls it before it makes a task for the request (ui.limits)."""
+        if self._app is None:
+            return None
+        forwarding = self._forwarding
+        if forwarding is not None:
+            scope = dict(scope)  # `__call__` applies it to the request's own scope if this declines
+            forwarded_client(scope, forwarding)
+        for route in self._direct:
+            params = route.path_params(scope)
+            if params is not None:
+                scope["path_params"] = params
+                return route.answer_now(scope, body)
+        return None
 
     # ---- start and stop -------------------------------------------------------
 

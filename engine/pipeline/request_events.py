@@ -12,6 +12,8 @@ from engine.pipeline.results import ClassifyResult, RequestListener, RequestReco
 
 log = logging.getLogger(__name__)
 
+LABELS_KEPT = 4096
+
 
 class RequestEvents:
     """The engine's listeners and the records it sends them. Listeners are added at start-up
@@ -21,13 +23,23 @@ class RequestEvents:
         self._clock = clock
         self._listeners: list[RequestListener] = []
         self._labels = ClientLabels()
+        # The labels of the clients seen lately, read without ClientLabels' lock (on every
+        # request); emptied when it reaches LABELS_KEPT, ClientLabels still holding them.
+        self._known: dict[str, str] = {}
 
     def add_listener(self, listener: RequestListener) -> None:
         self._listeners.append(listener)
 
     def label(self, client: str | None) -> str | None:
         """What may be shown of a client (engine.capacity.fairness.ClientLabels); None: the app itself."""
-        return None if client is None else self._labels.label(client)
+        if client is None:
+            return None
+        known = self._known.get(client)
+        if known is None:
+            if len(self._known) >= LABELS_KEPT:
+                self._known = {}
+            known = self._known[client] = self._labels.label(client)
+        return known
 
     def answered(self, task: str, result: ClassifyResult, route: str, client: str | None) -> None:
         if not self._listeners:

@@ -1,14 +1,23 @@
-"""Shadow verification: a sample of cache hits is recomputed off the request path.
+"""Shadow verification: a sample of cached entries is recomputed off the request path.
 
 A cache that is fast and wrong is worse than none, and a checksum or a signature proves
 only who wrote a value, not that it is right: a canonicalisation bug that maps two inputs
 to one key, a replica with other numerics, or anyone holding the signing key can store a
-well-formed wrong answer. So `SHADOW_SAMPLE_RATE` of hits are handed to one owned
-background thread, which waits until no request is inside the engine (the model is
+well-formed wrong answer. So each hit is drawn with probability `SHADOW_SAMPLE_RATE`, and a
+drawn hit whose entry (its key and answer) this verifier has not checked yet is handed to one
+owned background thread, which waits until no request is inside the engine (the model is
 idle), runs the model on the same input one at a time and compares the answers within
 `SCORE_TOLERANCE`. A mismatch evicts the entry (`evict(key)`: L2 and this replica's L1),
 is logged with the key, both answers and both model versions, and is kept for the
 console. The request that was sampled has already been answered: it never waits.
+
+Per entry, not per hit: a hot key is drawn after about 1/rate of its hits (as a per-hit sample
+would first find it), and then never again while its answer is the one checked. A key names
+its model version and generation, so a new version or generation is a new entry, checked
+anew; so is another answer under the same key (a forged or recomputed value). The draw stays
+random, not a hash of the key: nobody can tell which keys will be checked, so a planted answer
+on a hot key is still found after about 1/rate of its hits. What was checked is remembered for
+the last `CHECKED_ENTRIES` entries (a fingerprint each); one forgotten is drawn again.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ QUEUE_SIZE = 16  # samples waiting for an idle model; more are dropped (and coun
 IDLE_POLL_S = 0.005
 MAX_IDLE_WAIT_S = 30.0  # a sample that finds no idle moment this long is dropped
 RECENT_MISMATCHES = 50
+# Entries drawn (queued or checked) that are not drawn again while their answer is unchanged;
+# the oldest are forgotten first. About 0.2 KB each.
+CHECKED_ENTRIES = 16_384
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,8 @@ def agree(a: Prediction, b: Prediction, tolerance: float = SCORE_TOLERANCE) -> b
 
 class ShadowVerifier:
     """Owns one daemon thread (start/close). `offer` is called on every hit and costs a
-    random draw unless the hit is sampled; then a put on a bounded queue."""
+    random draw unless the hit is sampled; then, unless its entry was drawn before, a put on
+    a bounded queue."""
 
     def __init__(
         self,
@@ -123,15 +136,26 @@ class ShadowVerifier:
         self._processed = 0  # samples taken off the queue and checked or dropped
         self._done = threading.Condition(self._lock)  # tests and the fault suite wait on it
         self._mismatch_listeners: list[Callable[..., Any]] = []  # add_mismatch_listener
+        # key -> fingerprint of the answer drawn under it (queued or checked), oldest first.
+        self._drawn: dict[str, int] = {}
 
     # ---- request path -------------------------------------------------------
 
     def offer(self, task: str, key: str, cached: Any, raw: Any, canonical: Any) -> None:
         if self._random() >= self._rate or not isinstance(cached, CachedResult):
             return
+        fingerprint = _fingerprint(cached)
+        with self._lock:
+            if self._drawn.get(key) == fingerprint:
+                return  # this answer under this key is checked, or waiting to be
+            self._drawn.pop(key, None)  # re-inserted as the newest
+            self._drawn[key] = fingerprint
+            if len(self._drawn) > CHECKED_ENTRIES:
+                del self._drawn[next(iter(self._drawn))]
         try:
             self._queue.put_nowait(_Sample(task, key, cached, raw, canonical))
         except queue.Full:
+            self._forget(key, fingerprint)
             self._count_dropped()
 
     def add_mismatch_listener(self, listener: Callable[..., Any]) -> None:
@@ -179,12 +203,12 @@ class ShadowVerifier:
             return STOP
         try:
             if not self._wait_idle():
-                self._count_dropped()
+                self._drop(sample)
             else:
                 self._check(sample)
         except Exception:  # never kill the thread; a failed check is not a mismatch
             log.exception("shadow check of %s failed", sample.key)
-            self._count_dropped()
+            self._drop(sample)
         with self._done:
             self._processed += 1
             self._done.notify_all()
@@ -201,7 +225,7 @@ class ShadowVerifier:
         model = self._model_for(sample.task)
         # The key names the version that computed it; after a live swap it can no longer be hit.
         if model is None or sample.key.split(":")[-3] != model.version:
-            self._count_dropped()
+            self._count_dropped()  # never hit again: no need to forget it
             return
         canonical = sample.canonical if sample.canonical is not None else model.canonicalize(sample.raw)
         fresh = model.predict_batch([canonical])[0]
@@ -210,6 +234,7 @@ class ShadowVerifier:
         )
         mismatch = None
         if not same:
+            self._forget(sample.key, _fingerprint(sample.cached))  # planted again: drawn again
             evicted = True
             try:
                 self._evict(sample.key)
@@ -238,6 +263,22 @@ class ShadowVerifier:
                 self._stats.mismatches[sample.task] = self._stats.mismatches.get(sample.task, 0) + 1
                 self._recent.append(mismatch)
 
+    def _drop(self, sample: _Sample) -> None:
+        """A drawn entry that was not checked: drawn again at a later hit."""
+        self._forget(sample.key, _fingerprint(sample.cached))
+        self._count_dropped()
+
+    def _forget(self, key: str, fingerprint: int) -> None:
+        with self._lock:
+            if self._drawn.get(key) == fingerprint:
+                del self._drawn[key]
+
     def _count_dropped(self) -> None:
         with self._lock:
             self._stats.dropped += 1
+
+
+def _fingerprint(cached: CachedResult) -> int:
+    """Which answer an entry holds. Python's hash is salted per process, so no one can make
+    another answer with the fingerprint of a checked one."""
+    return hash((cached.prediction.labels, cached.model_version))
