@@ -5,5 +5,6 @@ Top floor: imports `engine/` only. `ui.server.build_app` includes the router.
 
 from api.body import oip_body_limit
 from api.oip import DirectInfer, build_oip_router
+from api.repeats import Repeats
 
-__all__ = ["DirectInfer", "build_oip_router", "oip_body_limit"]
+__all__ = ["DirectInfer", "Repeats", "build_oip_router", "oip_body_limit"]

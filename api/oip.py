@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable, Mapping, MutableMapping
-from functools import lru_cache, partial
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from functools import partial
 from typing import Any
 
 import anyio
@@ -35,6 +33,7 @@ from starlette.routing import Match
 from api.body import Receive, read_body
 from api.docs import INFER_DOCS, INFER_RESPONSES, INPUT_NAME
 from api.errors import RequestRefused, quote
+from api.repeats import REPEAT_BODY_BYTES, Repeats
 from api.tensors import (
     OUTPUT_NAMES,
     EncodedOutputs,
@@ -46,7 +45,6 @@ from api.tensors import (
     encode_outputs,
     parse_infer_request,
 )
-from engine.capacity.fairness import client_id
 from engine.errors import InvalidInputError, ModelError, OverBudgetError
 from engine.models.base import Classifier
 from engine.pipeline.service import ClassifyResult, InferenceEngine
@@ -73,13 +71,6 @@ INLINE_BINARY_BYTES = 512 * 1024
 # loop it costs nothing, and a client that ignores Retry-After from a few connections is
 # slowed to a few requests a second instead of taking the loop from everyone's hits.
 REFUSAL_HOLD_S = 0.5
-# A repeated small body (a client asking the same again: what makes a cached hit) is parsed
-# once: the parsed request (immutable) is kept by its bytes, for the last REPEAT_ENTRIES bodies
-# up to REPEAT_BODY_BYTES each (at most 4 MiB). So are the encoded outputs of a one-element
-# answer, by (result key, requested outputs): an entry's answer never changes under its key
-# (checked: a recomputed answer is encoded anew), only `cache_info` differs between answers.
-REPEAT_BODY_BYTES = 4 * 1024
-REPEAT_ENTRIES = 1024
 IMAGE_AS_BYTES = (
     'Send the image file\'s bytes: base64 in JSON with "parameters": {"content_type": "base64"}, '
     "or as binary data."
@@ -87,13 +78,16 @@ IMAGE_AS_BYTES = (
 
 
 def build_oip_router(
-    engine: InferenceEngine, *, max_body_bytes: int, max_batch: int = MAX_BATCH
-) -> APIRouter:
-    """The /v2 routes over `engine`. `max_body_bytes`: see `api.body.oip_body_limit`."""
+    engine: InferenceEngine, *, max_body_bytes: int, max_batch: int = MAX_BATCH,
+    repeats: Repeats | None = None,
+) -> APIRouter:  # fmt: skip
+    """The /v2 routes over `engine`. `max_body_bytes`: see `api.body.oip_body_limit`; `repeats`:
+    the door's memory of repeated requests, shared with its DirectInfer (None: its own)."""
     router = APIRouter(prefix="/v2", tags=["Open Inference Protocol v2"])
 
     # The infer routes first: the router tries its routes in order, twice per request.
-    serve_infer = partial(_serve_infer, engine, max_body_bytes=max_body_bytes, max_batch=max_batch)
+    serve_infer = partial(_serve_infer, engine, repeats or Repeats(), max_body_bytes=max_body_bytes,
+                          max_batch=max_batch)  # fmt: skip
 
     async def model_infer(model: str, request: Request) -> Response:
         """Classify a batch of one or more inputs through the cache."""
@@ -155,8 +149,13 @@ class DirectInfer:
     PREFIX = "/v2/models/"
     SUFFIX = "/infer"
 
-    def __init__(self, engine: InferenceEngine, *, max_body_bytes: int, max_batch: int = MAX_BATCH) -> None:
-        self._serve = partial(_serve_infer, engine, max_body_bytes=max_body_bytes, max_batch=max_batch)
+    def __init__(
+        self, engine: InferenceEngine, *, max_body_bytes: int, max_batch: int = MAX_BATCH,
+        repeats: Repeats | None = None,
+    ) -> None:  # fmt: skip
+        self._repeats = repeats or Repeats()
+        self._serve = partial(_serve_infer, engine, self._repeats, max_body_bytes=max_body_bytes,
+                              max_batch=max_batch)  # fmt: skip
         self._engine, self._max_batch = engine, max_batch
 
     def path_params(self, scope: Scope) -> dict[str, str] | None:
@@ -195,7 +194,7 @@ class DirectInfer:
         server's protocol calls it, ui.limits). The hit is logged and counted as the handler's
         is. None, with nothing counted: anything else (a miss, a refusal, a batch, a large or
         compressed body), for the handler to answer."""
-        return _answer_now(self._engine, scope, body, self._max_batch)
+        return _answer_now(self._engine, self._repeats, scope, body, self._max_batch)
 
 
 Scope = MutableMapping[str, Any]
@@ -205,10 +204,6 @@ _JSON = b"application/json"
 ASGIHandler = Callable[[Scope, Receive, Send], Awaitable[None]]
 _ASGI_HANDLER = "oip_asgi_handler"  # the endpoint's attribute naming its plain ASGI handler
 _WANTED_HEADERS = (b"content-length", b"content-encoding", b"inference-header-content-length")
-# engine.capacity.fairness.client_id parses the address with `ipaddress` (about 7 µs, 2 to 3 % of a cached
-# hit's server CPU); a client sends many requests from one address, and the answer depends on
-# the address alone. Bounded: one entry per distinct address, the least recent dropped.
-_client_id = lru_cache(maxsize=4096)(client_id)
 
 
 class _InferRoute(APIRoute):
@@ -255,6 +250,7 @@ async def _infer_response(serve_infer: ASGIHandler, request: Request) -> Respons
 
 async def _serve_infer(
     engine: InferenceEngine,
+    repeats: Repeats,
     scope: Scope,
     receive: Receive,
     send: Send,
@@ -265,10 +261,12 @@ async def _serve_infer(
     """POST /v2/models/{model}[/versions/{version}]/infer as a plain ASGI handler."""
     params = scope["path_params"]
     headers = _wanted_headers(scope)
-    client = _client_id((scope.get("client") or ("",))[0])  # as engine.capacity.forwarding left it
+    client = repeats.client((scope.get("client") or ("",))[0])  # as engine.capacity.forwarding left it
     try:
-        content, header_length = await _infer(engine, params["model"], params.get("version"), headers,
-                                              receive, max_body_bytes, max_batch, client)  # fmt: skip
+        content, header_length = await _infer(
+            engine, repeats, params["model"], params.get("version"), headers, receive, max_body_bytes,
+            max_batch, client,
+        )  # fmt: skip
     except (RequestRefused, InvalidInputError, ModelError, OverBudgetError) as exc:
         status, message = _status(exc)
         extra = []
@@ -308,7 +306,9 @@ async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], bod
     await send({"type": "http.response.body", "body": body})
 
 
-def _answer_now(engine: InferenceEngine, scope: Scope, body: bytes, max_batch: int) -> Answer | None:
+def _answer_now(
+    engine: InferenceEngine, repeats: Repeats, scope: Scope, body: bytes, max_batch: int
+) -> Answer | None:
     """DirectInfer.answer_now: `_infer` for one small element held in memory, or None before
     anything is counted."""
     if len(body) > REPEAT_BODY_BYTES:
@@ -324,13 +324,13 @@ def _answer_now(engine: InferenceEngine, scope: Scope, body: bytes, max_batch: i
     header_length = headers.get("inference-header-content-length")
     parse = partial(parse_infer_request, body, header_length, input_name=INPUT_NAME, max_elements=max_batch)
     try:
-        parsed = _PARSED.get_or_make((body, header_length, max_batch), parse)
+        parsed = repeats.parsed.get_or_make((body, header_length, max_batch), parse)
         if len(parsed.elements) != 1:
             return None
         raw = _engine_input(parsed.elements[0], text=_takes_text(model))
     except RequestRefused:
         return None
-    client = _client_id((scope.get("client") or ("",))[0])
+    client = repeats.client((scope.get("client") or ("",))[0])
     result = engine.classify_from_memory(task, raw, route=ROUTE, client=client)
     if result is None:
         return None
@@ -339,7 +339,7 @@ def _answer_now(engine: InferenceEngine, scope: Scope, body: bytes, max_batch: i
         log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], 404, message)
         return _answer_of(404, _error_body(message), _JSON)
     return _answered(*encode_infer_response(_response_header(task, parsed, [result]),
-                                            _encoded_outputs(parsed, [result])))  # fmt: skip
+                                            _encoded_outputs(repeats, parsed, [result])))  # fmt: skip
 
 
 def _error_body(message: str) -> bytes:
@@ -399,6 +399,7 @@ def _metadata(task: str, model: Classifier) -> dict[str, Any]:
 
 async def _infer(
     engine: InferenceEngine,
+    repeats: Repeats,
     task: str,
     version: str | None,
     headers: Mapping[str, str],
@@ -414,7 +415,7 @@ async def _infer(
     parse = partial(parse_infer_request, body, header_length, input_name=INPUT_NAME, max_elements=max_batch)
     inline = _inline(body, header_length)
     if len(body) <= REPEAT_BODY_BYTES:
-        parsed = _PARSED.get_or_make((body, header_length, max_batch), parse)
+        parsed = repeats.parsed.get_or_make((body, header_length, max_batch), parse)
     else:
         parsed = parse() if inline else await anyio.to_thread.run_sync(parse)
     text = _takes_text(model)
@@ -423,58 +424,21 @@ async def _infer(
     if version is not None and any(r.model_version != version for r in results):
         raise RequestRefused(404, f"Model {task!r} was replaced during the request; version {version!r} "
                                   "is no longer served.")  # fmt: skip
-    return encode_infer_response(_response_header(task, parsed, results), _encoded_outputs(parsed, results))
+    return encode_infer_response(_response_header(task, parsed, results),
+                                 _encoded_outputs(repeats, parsed, results))  # fmt: skip
 
 
-class _Repeats:
-    """A small LRU, safe across threads (each server's loop, the FastAPI routes' threads)."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._items: OrderedDict[Hashable, Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable) -> Any:
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key: Hashable, value: Any) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            if len(self._items) > self._size:
-                self._items.popitem(last=False)
-
-    def get_or_make(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        value = self.get(key)
-        if value is None:
-            value = make()  # a refusal is raised, never kept
-            self.put(key, value)
-        return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-
-
-_PARSED = _Repeats(REPEAT_ENTRIES)  # (body, header length, max batch) -> InferRequest
-_ENCODED = _Repeats(REPEAT_ENTRIES)  # (key, outputs, binary) -> (Prediction, EncodedOutputs)
-
-
-def _encoded_outputs(parsed: InferRequest, results: list[ClassifyResult]) -> EncodedOutputs:
+def _encoded_outputs(repeats: Repeats, parsed: InferRequest, results: list[ClassifyResult]) -> EncodedOutputs:
     if len(results) != 1:
         return encode_outputs(_outputs(parsed, results))
     result = results[0]
     spec = (result.key, parsed.outputs, parsed.binary_output)
-    kept = _ENCODED.get(spec)
+    kept = repeats.encoded.get(spec)
     # The answer under a key is the same unless the entry was evicted and computed again.
     if kept is not None and (kept[0] is result.prediction or kept[0] == result.prediction):
         return kept[1]  # type: ignore[no-any-return]
     encoded = encode_outputs(_outputs(parsed, results))
-    _ENCODED.put(spec, (result.prediction, encoded))
+    repeats.encoded.put(spec, (result.prediction, encoded))
     return encoded
 
 

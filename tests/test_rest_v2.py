@@ -704,9 +704,10 @@ def test_which_bodies_are_taken_on_the_event_loop() -> None:
 
 
 def test_kept_outputs_follow_a_recomputed_answer_under_the_same_key() -> None:
-    """api.oip keeps a one-element answer's encoded outputs by key; an entry evicted (shadow
-    verification) and computed again with another answer must be encoded anew."""
+    """The REST door keeps a one-element answer's encoded outputs by key (api.repeats); an entry
+    evicted (shadow verification) and computed again with another answer must be encoded anew."""
     from api.oip import _encoded_outputs, _outputs
+    from api.repeats import Repeats
     from api.tensors import RequestedOutput, encode_outputs, parse_infer_request
     from engine.models.base import Prediction
     from engine.pipeline.results import ClassifyResult
@@ -721,11 +722,13 @@ def test_kept_outputs_follow_a_recomputed_answer_under_the_same_key() -> None:
         return ClassifyResult(Prediction(labels), "l1", "infcache:text:v1:0:kept-outputs", "m", "v1", 0,
                               latency_ms, "cpu", 1.0)  # fmt: skip
 
+    repeats = Repeats()
     first = result((("a", 0.75), ("b", 0.25)), 0.1)
-    once = _encoded_outputs(parsed, [first])
-    assert _encoded_outputs(parsed, [result(first.prediction.labels, 0.2)]) is once  # kept
+    once = _encoded_outputs(repeats, parsed, [first])
+    assert _encoded_outputs(repeats, parsed, [result(first.prediction.labels, 0.2)]) is once  # kept
+    assert _encoded_outputs(Repeats(), parsed, [first]) is not once  # another server's memory
     other = result((("b", 0.5), ("a", 0.5)), 0.3)
-    fresh = _encoded_outputs(parsed, [other])
+    fresh = _encoded_outputs(repeats, parsed, [other])
     assert fresh is not once and b'"b","a"' in fresh.described_json
     assert fresh == encode_outputs(_outputs(parsed, [other]))
 

@@ -25,7 +25,7 @@ from starlette.routing import Mount
 from admin.console.api import build_router
 from admin.console.tab import CARD_CSS, build_admin_tab
 from admin.insights.api import build_insights_router
-from api import DirectInfer, build_oip_router, oip_body_limit
+from api import DirectInfer, Repeats, build_oip_router, oip_body_limit
 from engine.models.base import takes_image
 from settings import FORWARDED_ALLOW_IPS, Settings
 from storage.redis.embedded import REDIS_SUBDIR
@@ -58,9 +58,10 @@ def build_app(runtime: Runtime) -> FastAPI:
     if runtime.insights is not None:  # sizing, worth, health, CSV downloads (admin.insights.api)
         app.include_router(build_insights_router(insights=runtime.insights, auth=runtime.auth))
     oip_limit = oip_body_limit(settings.limits.max_upload_bytes)
-    app.include_router(build_oip_router(engine, max_body_bytes=oip_limit))
+    repeats = Repeats()  # the REST door's memory of repeated requests: one for both paths to it
+    app.include_router(build_oip_router(engine, max_body_bytes=oip_limit, repeats=repeats))
     # REST infer calls skip FastAPI's routing and middleware when served by ServingApp.
-    app.state.direct_routes = (DirectInfer(engine, max_body_bytes=oip_limit),)
+    app.state.direct_routes = (DirectInfer(engine, max_body_bytes=oip_limit, repeats=repeats),)
     demo = build_demo(
         engine,
         max_upload_bytes=settings.limits.max_upload_bytes,
