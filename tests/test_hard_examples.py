@@ -124,11 +124,11 @@ def test_a_stream_of_10000_unsure_inputs_stays_bounded(
         quality__hard_examples_size=size, quality__hard_examples_cpu_share=1.0,
     )  # fmt: skip
     engine, collector, hard = runtime.engine, collector_of(runtime), runtime.admin.hard_examples
-    # The budget is not the subject here (see test_collection_keeps_to_its_cpu_budget): a share
-    # far beyond what HARD_EXAMPLES_CPU_SHARE allows (<= 1, refused by the settings) keeps the
-    # credit full, since at a share of 1 a 0.2 ms pass earns less than a slow machine's flush
-    # spends per example.
-    collector._cpu_share = 100.0
+    # The budget is not the subject here (see test_collection_keeps_to_its_cpu_budget): an
+    # unbounded credit, which no setting gives (HARD_EXAMPLES_CPU_SHARE <= 1, and even a share
+    # of 100 left the 1 s cap short when a slow moment made 1,000 inputs' reserved flush cost
+    # pass it).
+    collector._credit_cap_s = collector._credit_s = float("inf")
     for text in ("favourite question", "labelled question"):
         for _ in range(5):
             engine.classify("text", text)
