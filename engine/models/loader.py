@@ -90,7 +90,7 @@ def _build_remote(spec: ModelSpec, options: LoadOptions) -> Classifier:
     assert spec.remote_url is not None  # checked by the config
     model = _construct(spec, options, lazy_torch=spec.builtin)
     attach_remote(model, task=spec.task, url=spec.remote_url, remote_model=spec.remote_model or spec.task,
-                  options=options.remote)  # fmt: skip
+                  options=options.remote, export_dir=options.export_dir)  # fmt: skip
     return model
 
 

@@ -31,13 +31,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine.errors import RemoteUnavailableError
-from engine.models.onnx_backend import _answers, _stored_answers, compare, probe_digest
+from engine.models.onnx_backend import _answers, _stored_answers, compare, export_path, probe_digest
 from engine.models.remote_client import DTYPES, RemoteCallError, RemoteClient, ServedConfig, TensorSpec
 from storage.breaker import BreakerState, CircuitBreaker
 
@@ -66,8 +67,10 @@ class RemoteForward:
     torch.Tensor` and `.inputs`. Thread-safe; owns its client and its background check."""
 
     def __init__(self, client: RemoteClient, *, task: str, options: RemoteOptions,
+                 export_dir: Path | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self._client = client
+        self._export_dir = export_dir  # the local ONNX exports (their recorded probe answers)
         self.task = task
         self.breaker = CircuitBreaker(failure_threshold=options.breaker_failures,
                                       reset_s=options.breaker_reset_s, max_reset_s=options.breaker_max_s,
@@ -200,7 +203,10 @@ class RemoteForward:
         adopt = getattr(model, "adopt_export_state", lambda _metadata: False)
         if served.version == local_version:
             expected = self._reference(model, probes)
-            adopt(None)  # the local model's own state (computed by torch here)
+            # The server's state (computed by torch at its export) when it is this version's, else
+            # the local model's own: either way the probe compares the answers with torch's.
+            if not (served.export_state and adopt(served.export_state)):
+                adopt(None)
         else:
             expected = _stored_answers(served.probe, probe_digest(probes))
             if expected is None:
@@ -211,14 +217,23 @@ class RemoteForward:
                 adopt(None)
                 return f"the server's cache_export_state does not fit version {served.version}"
         self.version = served.version
-        difference = compare(expected, _answers(model.predict_batch, probes, model))
+        got = _answers(model.predict_batch, probes, model)  # each probe alone, then all as one batch
+        if len(expected) == len(probes) and len(got) == 2 * len(probes):
+            expected = expected + expected  # recorded by a model that did not batch: the batch must agree too
+        difference = compare(expected, got)
         return None if difference is None else f"probe: {difference}"
 
     def _reference(self, model: Any, probes: list[Any]) -> list[Any]:
-        """The local model's answers to the probe set (torch, once per local version)."""
+        """The local model's answers to the probe set: torch's, as the local ONNX export recorded them
+        for this very probe set (the CPU backend trusts the same), else computed by torch now; once
+        per local version."""
         memo = getattr(model, "_remote_reference", None)
         if memo is not None and memo[0] == model.local_version:
             return memo[1]  # type: ignore[no-any-return]
+        recorded = _recorded_answers(self._export_dir, model, probe_digest(probes))
+        if recorded is not None:
+            model._remote_reference = (model.local_version, recorded)
+            return recorded
         self._local.reference = True
         try:
             answers = _answers(model.predict_batch, probes, model)
@@ -285,6 +300,25 @@ class _CheckFailed(Exception):
         self.status, self.reason = status, reason
 
 
+def _recorded_answers(export_dir: Path | None, model: Any, tag: str) -> list[Any] | None:
+    """Torch's probe answers kept in the local ONNX export of the local version, if there is one."""
+    if export_dir is None:
+        return None
+    path = export_path(export_dir, model.name, model.local_version)
+    if not path.is_file():
+        return None
+    try:
+        import onnx
+
+        graph = onnx.load(str(path), load_external_data=False)
+    except Exception:  # unreadable: torch computes the reference
+        return None
+    metadata = {entry.key: entry.value for entry in graph.metadata_props}
+    if metadata.get("model_version") != model.local_version:
+        return None
+    return _stored_answers(metadata.get("probe"), tag)
+
+
 def _arrays(tensors: Mapping[str, torch.Tensor], inputs: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
     """The tensors the server's model takes, in its types (raises KeyError naming a missing one)."""
     arrays = {}
@@ -308,17 +342,18 @@ def _checked(answer: np.ndarray, inputs: Mapping[str, np.ndarray], output: Tenso
             raise _Garbage(f"shape {tuple(answer.shape)}: axis {axis} is {size}, expected {expected}")
     if not np.isfinite(answer).all():
         raise _Garbage("NaN or infinite values")
-    return np.ascontiguousarray(answer, dtype=np.float32)
+    answer = np.ascontiguousarray(answer, dtype=np.float32)
+    return answer if answer.flags.writeable else answer.copy()  # torch wants a writable buffer
 
 
-def attach_remote(model: Any, *, task: str, url: str, remote_model: str,
-                  options: RemoteOptions) -> str | None:  # fmt: skip
+def attach_remote(model: Any, *, task: str, url: str, remote_model: str, options: RemoteOptions,
+                  export_dir: Path | None = None) -> str | None:  # fmt: skip
     """Serve `model` (a classifier with the backend seam) through the server: its misses batch,
     its version becomes the server's once checked. Returns why the remote is not used yet (its
     misses are refused meanwhile; a background check backs off and retries), or None."""
     client = RemoteClient(url, remote_model, connect_timeout_s=options.connect_timeout_s,
                           timeout_s=options.timeout_s)  # fmt: skip
-    forward = RemoteForward(client, task=task, options=options)
+    forward = RemoteForward(client, task=task, options=options, export_dir=export_dir)
     model.batch_misses = True  # misses that meet in one pass window go in one remote call
     model.local_version = model.version
     forward.on_change = lambda reason: setattr(model, "backend_reason", reason)
