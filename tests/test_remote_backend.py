@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,58 +16,22 @@ import numpy as np
 import pytest
 
 from engine.inputs import CanonicalImage
-from engine.models.config import DEFAULT_SPECS, ModelSpec
-from engine.models.loader import build_model
-from engine.models.remote import RemoteOptions
-from runtime import Runtime, load_options
-from settings import Settings
+from runtime import Runtime
 from storage.redis.embedded import EmbeddedRedis
 from testing.triton_server import TritonRepositoryServer
 
 pytestmark = pytest.mark.timeout(300)
 
 TOLERANCE = 1e-5
-# Short bounds: the tests wait for the breaker and the background check, never for defaults.
-FAST_REMOTE = RemoteOptions(connect_timeout_s=0.5, timeout_s=2.0, breaker_failures=1, breaker_reset_s=0.2,
-                            breaker_max_s=1.0)  # fmt: skip
 MESSAGES = ("where is my parcel", "I want my money back for the broken kettle",
             "how do I change my password", "cancel the order I placed this morning",
             "Ihr Paket ist unterwegs", "thanks, that was all")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def repository(tmp_path_factory: pytest.TempPathFactory, base_settings: Settings) -> Path:
-    """The built-in models' repository, as `make triton-repository` writes it."""
-    from serving.repository import write_repository
-
-    folder = tmp_path_factory.mktemp("triton-repository")
-    write_repository(folder, DEFAULT_SPECS, load_options(base_settings))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def triton(repository: Path) -> Iterator[TritonRepositoryServer]:
-    with TritonRepositoryServer(repository) as server:
+def triton(triton_repository: Path) -> Iterator[TritonRepositoryServer]:
+    with TritonRepositoryServer(triton_repository) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def remote_model(base_settings: Settings) -> Iterator[Callable[..., Any]]:
-    """`remote_model(task, url, **options)`: a built-in served through the server, as the loader
-    builds a `backend: remote` entry; all closed at the module's end."""
-    built: list[Any] = []
-
-    def build(task: str, url: str, **options: Any) -> Any:
-        spec = next(s for s in DEFAULT_SPECS if s.task == task)
-        spec = ModelSpec(task=spec.task, kind=spec.kind, source=spec.source, backend="remote", remote_url=url)
-        loading = replace(load_options(base_settings), remote=replace(FAST_REMOTE, **options))
-        model = build_model(spec, loading)
-        built.append(model)
-        return model
-
-    yield build
-    for model in built:
-        model.close()
 
 
 def test_answers_through_the_server_equal_local_answers(
