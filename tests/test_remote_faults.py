@@ -19,6 +19,7 @@ from engine.errors import RemoteUnavailableError
 from runtime import Runtime
 from testing.oip_http import infer_body, parse_answer
 from testing.triton_server import TritonRepositoryServer
+from tests.test_fleet import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,14 +50,9 @@ def _infer(url: str, text: str) -> httpx.Response:
     return httpx.post(f"{url}/v2/models/text/infer", json=infer_body(text), timeout=30)
 
 
-def _until(condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not within {timeout_s} s")
+def _served(url: str, text: str) -> httpx.Response | None:
+    response = _infer(url, text)
+    return response if response.status_code == 200 else None
 
 
 def _refused(response: httpx.Response) -> None:
@@ -80,8 +76,7 @@ def test_down_at_start_then_killed_and_restarted_with_a_new_model(
     assert 'infcache_remote_up{task="text"} 0.0' in httpx.get(f"{url}/metrics").text
 
     server.start()  # service returns by itself (the background check)
-    answer = _until(lambda: _infer(url, "hello there").status_code == 200 and _infer(url, "hello there"),
-                    30, "service after the server started")  # fmt: skip
+    answer = wait_until(lambda: _served(url, "hello there"), 30, what="service after the server started")
     assert parse_answer(answer.json()).cache_info["backend"] == "remote"
     first = parse_answer(_infer(url, "where is my parcel").json())
     assert (first.cache_info["tier"], first.cache_info["model_version"]) == ("miss", local_version)
@@ -98,8 +93,8 @@ def test_down_at_start_then_killed_and_restarted_with_a_new_model(
     config = server.repository / "text" / "config.pbtxt"
     config.write_text(config.read_text().replace(local_version, NEW_VERSION))
     server.start()
-    _until(lambda: _infer(url, "a new message while the server is down").status_code == 200, 30,
-           "service after the restart")  # fmt: skip
+    down_message = "a new message while the server is down"
+    wait_until(lambda: _served(url, down_message), 30, what="service after the restart")
     again = parse_answer(_infer(url, "where is my parcel").json())
     # A new key space: the old model's entry is never served for the new one.
     assert (again.cache_info["tier"], again.cache_info["model_version"]) == ("miss", NEW_VERSION)
@@ -123,7 +118,8 @@ def test_a_slow_server_is_given_up_within_the_timeout_and_comes_back(
         assert hit.tier == "l1"
     finally:
         server.set_delay(0.0)
-    result = _until(lambda: _answer(runtime, "a miss on a slow server"), 30, "service after the delay")
+    result = wait_until(lambda: _answer(runtime, "a miss on a slow server"), 30,
+                        what="service after the delay")
     assert result.tier == "miss"
 
 
@@ -152,6 +148,7 @@ def test_garbage_answers_are_refused_counted_and_never_cached(
         assert model.remote_state()["status"] == "refused"
     finally:
         server.set_garbage(None)
-    result = _until(lambda: _answer(runtime, f"garbage please ({mode})"), 30, "service after the garbage")
+    result = wait_until(lambda: _answer(runtime, f"garbage please ({mode})"), 30,
+                        what="service after the garbage")
     assert result.tier == "miss"  # the garbage was never cached
     assert all(0.0 <= score <= 1.0 for _, score in result.prediction.labels)
