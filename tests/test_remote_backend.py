@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from engine.inputs import CanonicalImage
-from runtime import Runtime
+from runtime import Runtime, build_runtime, load_models
+from settings import Settings
 from storage.redis.embedded import EmbeddedRedis
+from testing.tiny_models import write_config
 from testing.triton_server import TritonRepositoryServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,3 +123,27 @@ def _wait_for_peers(replicas: list[Runtime], timeout_s: float = 10.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("the replicas did not see each other")
+
+
+def test_a_models_config_entry_serves_remotely_and_a_reload_reads_the_server_again(
+    triton: TritonRepositoryServer, base_settings: Settings, tmp_path: Path
+) -> None:
+    """The whole path: MODELS_CONFIG's entry, REMOTE_* settings, the composition root, the admin
+    reload (which reads the server's version again: the same here, so nothing is swapped)."""
+    config = write_config(tmp_path / "models.yaml", [
+        {"task": "text", "kind": "text-classification", "source": "builtin:minilm-intents",
+         "backend": "remote", "remote_url": triton.http_url, "remote_model": "text"},
+    ])  # fmt: skip
+    settings = base_settings.changed(server__data_dir=tmp_path / "data", models__models_config=config,
+                                     remote__timeout_s=3.0)  # fmt: skip
+    with build_runtime(settings, model_factory=load_models) as runtime:
+        model = runtime.engine.models["text"]
+        state = runtime.engine.cache_state()["models"]["text"]
+        assert (state["backend"], state["backend_reason"]) == ("remote", None)
+        assert state["remote"]["status"] == "ok"
+        assert runtime.engine.classify("text", "where is my refund").cache_info()["backend"] == "remote"
+        assert runtime.lifecycle is not None
+        result = runtime.lifecycle.reload("text")
+        assert (result.changed, result.version) == (False, model.version)
+        assert runtime.engine.models["text"] is model and model.remote_state()["usable"]
+    assert model.remote_state()["status"] == "closed"  # the runtime closed what it loaded
