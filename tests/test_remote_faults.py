@@ -66,7 +66,7 @@ def test_down_at_start_then_killed_and_restarted_with_a_new_model(
     server: TritonRepositoryServer, remote_model: Callable[..., Any],
     serve: Callable[..., tuple[str, Runtime]],
 ) -> None:  # fmt: skip
-    model = remote_model("text", server.http_url)  # nothing listens there yet: it loads all the same
+    model = remote_model("text", server.grpc_url)  # nothing listens there yet: it loads all the same
     local_version = model.version
     assert model.remote_state()["status"] == "down" and model.backend_reason.startswith("remote down")
     url, _runtime = serve(models={"text": model})
@@ -104,7 +104,7 @@ def test_down_at_start_then_killed_and_restarted_with_a_new_model(
 def test_a_slow_server_is_given_up_within_the_timeout_and_comes_back(
     server: TritonRepositoryServer, remote_model: Callable[..., Any], make_runtime: Callable[..., Runtime]
 ) -> None:
-    model = remote_model("text", _running(server).grpc_url, timeout_s=0.5)
+    model = remote_model("text", _running(server).http_url, timeout_s=0.5)
     runtime = make_runtime(models={"text": model})
     runtime.engine.classify("text", "answered before the server slowed down")
     server.set_delay(2.0)

@@ -190,6 +190,8 @@ class RemoteForward:
             return None
         if model.version != previous:  # a failed check leaves the last verified key space
             model.version = previous
+        if status == "down":
+            self._client.reset()  # the next check connects afresh
         self.breaker.trip()
         self._set(False, status, reason)
         return reason

@@ -164,23 +164,27 @@ class RemoteClient:
 
         return self._call(work, "inference")  # type: ignore[no-any-return]
 
+    def _release(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # closing a client whose server is gone: nothing left to free
+                log.debug("closing the %s client failed", self.url, exc_info=True)
+            self._client = None
+
+    def reset(self) -> None:
+        """Drop the connection; the next call makes a new one. After the server restarted, a gRPC
+        channel would otherwise wait out its own reconnect backoff (up to minutes)."""
+        try:
+            self._worker.submit(self._release)
+        except RuntimeError:  # closed
+            pass
+
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
-
-        def release() -> None:
-            if self._client is not None:
-                try:
-                    self._client.close()
-                except Exception:  # closing a client whose server is gone: nothing left to free
-                    log.debug("closing the %s client failed", self.url, exc_info=True)
-                self._client = None
-
-        try:
-            self._worker.submit(release)
-        except RuntimeError:
-            pass
+        self.reset()
         self._worker.shutdown(wait=False, cancel_futures=False)
 
 
