@@ -1,26 +1,36 @@
 """The remote backend against a real tritonserver (testing.triton_server) serving the repository
 `make triton-repository` writes, through the real tritonclient over HTTP and gRPC: answers equal
 the local model's within 1e-5, hits never reach the server, concurrent misses share calls, two
-replicas on one Redis send each unique input once. Faults (down at start, killed and restarted with
-a new model, slow, garbage) are in tests/test_remote_faults.py."""
+replicas on one Redis send each unique input once, a MODELS_CONFIG entry through the composition
+root. Then faults, with the app served over real HTTP where the answer's form matters: a slow
+server (bounded timeouts), garbage answers (refused, counted, never cached), the server killed
+(misses 503 with Retry-After, hits served, the reason in /readyz and /metrics, a replica started
+meanwhile loads all the same) and restarted with a new model (a new key space, service back by
+itself). One server for the module: its start is most of the cost."""
 
 from __future__ import annotations
 
+import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
+from engine.errors import RemoteUnavailableError
 from engine.inputs import CanonicalImage
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
 from storage.redis.embedded import EmbeddedRedis
+from testing.oip_http import infer_body, parse_answer
 from testing.tiny_models import write_config
 from testing.triton_server import TritonRepositoryServer
+from tests.test_fleet import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,8 +41,13 @@ MESSAGES = ("where is my parcel", "I want my money back for the broken kettle",
 
 
 @pytest.fixture(scope="module")
-def triton(triton_repository: Path) -> Iterator[TritonRepositoryServer]:
-    with TritonRepositoryServer(triton_repository) as server:
+def triton(triton_repository: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonRepositoryServer]:  # fmt: skip
+    """One server for the module, on a copy of the repository (the last test gives the text model a
+    new version). The fault tests restore what they change, and the restart comes last."""
+    copy = tmp_path_factory.mktemp("remote-backend") / "repository"
+    shutil.copytree(triton_repository, copy)
+    with TritonRepositoryServer(copy) as server:
         yield server
 
 
@@ -113,16 +128,11 @@ def test_two_replicas_in_front_of_one_server_send_each_unique_input_once(
     assert all(len(answers) == 1 for answers in by_text.values())  # both replicas gave the same answer
 
 
-def _wait_for_peers(replicas: list[Runtime], timeout_s: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        flights = [r.engine._fleet_flight for r in replicas]
-        if all(f is not None and (f.peers or 0) >= len(replicas) - 1 for f in flights):
-            return
-        time.sleep(0.05)
-    raise AssertionError("the replicas did not see each other")
+def _wait_for_peers(replicas: list[Runtime]) -> None:
+    """Each replica knows the other (a lone replica skips the fleet lease)."""
+    flights = [r.engine._fleet_flight for r in replicas]
+    wait_until(lambda: all(f is not None and (f.peers or 0) >= len(replicas) - 1 for f in flights), 10,
+               what="the replicas seeing each other")  # fmt: skip
 
 
 def test_a_models_config_entry_serves_remotely_and_a_reload_reads_the_server_again(
@@ -147,3 +157,127 @@ def test_a_models_config_entry_serves_remotely_and_a_reload_reads_the_server_aga
         assert (result.changed, result.version) == (False, model.version)
         assert runtime.engine.models["text"] is model and model.remote_state()["usable"]
     assert model.remote_state()["status"] == "closed"  # the runtime closed what it loaded
+
+
+# ---- faults -----------------------------------------------------------------------------------
+
+NEW_VERSION = "feedfacecafe0038"
+
+
+def _running(server: TritonRepositoryServer) -> TritonRepositoryServer:
+    if not server.running():
+        server.start()
+    return server
+
+
+def _infer(url: str, text: str) -> httpx.Response:
+    return httpx.post(f"{url}/v2/models/text/infer", json=infer_body(text), timeout=30)
+
+
+def _served(url: str, text: str) -> httpx.Response | None:
+    response = _infer(url, text)
+    return response if response.status_code == 200 else None
+
+
+def _refused(response: httpx.Response) -> None:
+    assert response.status_code == 503, response.text
+    assert int(response.headers["retry-after"]) >= 1
+    assert "server is unavailable" in response.json()["error"]
+    assert "answers already cached still work" in response.json()["error"]
+
+
+def test_a_slow_server_is_given_up_within_the_timeout_and_comes_back(
+    triton: TritonRepositoryServer, remote_model: Callable[..., Any], make_runtime: Callable[..., Runtime]
+) -> None:
+    model = remote_model("text", _running(triton).http_url, timeout_s=0.5)
+    runtime = make_runtime(models={"text": model})
+    runtime.engine.classify("text", "answered before the server slowed down")
+    triton.set_delay(2.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RemoteUnavailableError) as refused:
+            runtime.engine.classify("text", "a miss on a slow server")
+        assert time.monotonic() - started < 2.0  # bounded: connect 0.5 s + call 0.5 s, not the 2 s delay
+        assert refused.value.retry_after_s > 0 and model.remote_state()["status"] == "down"
+        hit = runtime.engine.classify("text", "answered before the server slowed down")
+        assert hit.tier == "l1"
+    finally:
+        triton.set_delay(0.0)
+    result = wait_until(lambda: _answer(runtime, "a miss on a slow server"), 30,
+                        what="service after the delay")
+    assert result.tier == "miss"
+
+
+def _answer(runtime: Runtime, text: str) -> Any:
+    try:
+        return runtime.engine.classify("text", text)
+    except RemoteUnavailableError:
+        return None
+
+
+@pytest.mark.parametrize("mode", ["nan", "shape"])
+def test_garbage_answers_are_refused_counted_and_never_cached(
+    triton: TritonRepositoryServer, remote_model: Callable[..., Any], make_runtime: Callable[..., Runtime],
+    mode: str,
+) -> None:  # fmt: skip
+    model = remote_model("text", _running(triton).grpc_url)
+    runtime = make_runtime(models={"text": model})
+    triton.set_garbage(mode)
+    try:
+        with pytest.raises(RemoteUnavailableError):
+            runtime.engine.classify("text", f"garbage please ({mode})")
+        assert model.remote_state()["refused_answers"] >= 1
+        metrics = runtime.metrics.render().decode()
+        assert 'infcache_remote_refused_answers_total{task="text"}' in metrics
+        assert 'infcache_remote_up{task="text"} 0.0' in metrics
+        assert model.remote_state()["status"] == "refused"
+    finally:
+        triton.set_garbage(None)
+    result = wait_until(lambda: _answer(runtime, f"garbage please ({mode})"), 30,
+                        what="service after the garbage")
+    assert result.tier == "miss"  # the garbage was never cached
+    assert all(0.0 <= score <= 1.0 for _, score in result.prediction.labels)
+
+
+def test_killed_and_restarted_with_a_new_model(
+    triton: TritonRepositoryServer, remote_model: Callable[..., Any],
+    serve: Callable[..., tuple[str, Runtime]],
+) -> None:  # fmt: skip
+    model = remote_model("text", triton.grpc_url)
+    local_version = model.version
+    url, _runtime = serve(models={"text": model})
+    first = parse_answer(_infer(url, "where is my parcel").json())
+    assert (first.cache_info["tier"], first.cache_info["model_version"]) == ("miss", local_version)
+    assert 'infcache_remote_up{task="text"} 1.0' in httpx.get(f"{url}/metrics").text
+
+    triton.kill()
+    _refused(_infer(url, "a new message while the server is down"))
+    hit = parse_answer(_infer(url, "where is my parcel").json())  # hits are still served
+    assert (hit.cache_info["tier"], hit.labels) == ("l1", first.labels)
+    ready = httpx.get(f"{url}/readyz").json()
+    state = ready["models"]["text"]
+    assert ready["status"] == "ready" and state["remote"]["status"] == "down"
+    assert state["backend_reason"].startswith("remote down")
+    assert 'infcache_remote_up{task="text"} 0.0' in httpx.get(f"{url}/metrics").text
+    late = remote_model("text", triton.http_url)  # a replica started now loads all the same
+    assert late.remote_state()["status"] == "down"
+    _refused_engine(late)
+
+    # A new model on the server: another cache_model_version (its probe answers and state with it).
+    config = triton.repository / "text" / "config.pbtxt"
+    config.write_text(config.read_text().replace(local_version, NEW_VERSION))
+    triton.start()
+    down_message = "a new message while the server is down"
+    wait_until(lambda: _served(url, down_message), 30, what="service after the restart")  # by itself
+    again = parse_answer(_infer(url, "where is my parcel").json())
+    # A new key space: the old model's entry is never served for the new one.
+    assert (again.cache_info["tier"], again.cache_info["model_version"]) == ("miss", NEW_VERSION)
+    assert model.version == NEW_VERSION and triton.calls()["text"] > 0
+    wait_until(lambda: late.remote_state()["usable"], 30, what="the late replica's remote")
+    assert late.version == NEW_VERSION
+
+
+def _refused_engine(model: Any) -> None:
+    with pytest.raises(RemoteUnavailableError) as refused:
+        model.predict_batch([model.canonicalize("anything")])
+    assert refused.value.retry_after_s > 0
