@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
+
 from storage.redis.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,13 +119,36 @@ class TritonProcess:
         return self.process.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL to the whole process group (a crash, not a stop)."""
+        """SIGKILL to the whole process group (a crash, not a stop), then the shared memory its
+        processes had mapped is removed: PyTriton's and the Python backend's segments in /dev/shm
+        outlive a killed process (a clean stop removes them)."""
+        segments = self._shared_memory()
         try:  # the group even when its leader is gone: tritonserver may outlive PyTriton's process
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.process.wait(timeout=30)
+        for path in segments:
+            path.unlink(missing_ok=True)
         self._close_pipes()
+
+    def _shared_memory(self) -> set[Path]:
+        """The /dev/shm files the process group has mapped or open now."""
+        found: set[Path] = set()
+        try:
+            group = [psutil.Process(self.process.pid)]
+            group += group[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            return found
+        for member in group:
+            try:
+                found.update(
+                    Path(m.path) for m in member.memory_maps(grouped=True) if m.path.startswith("/dev/shm/")
+                )
+                found.update(Path(f.path) for f in member.open_files() if f.path.startswith("/dev/shm/"))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
 
     def close(self) -> None:
         """End of stdin: the script stops tritonserver and exits (killed if it does not in 60 s)."""
