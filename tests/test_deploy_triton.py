@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from engine.models.config import BACKENDS, load_config
-from tests.test_deploy import run, system_tool, validator
+from tests.test_deploy import kustomize, run, validator
 from tests.test_packaging import check_compose_schema
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,12 +46,7 @@ def test_the_models_file_sends_every_built_in_to_the_triton_service() -> None:
 
 @pytest.fixture(scope="module")
 def overlay(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
-    done = run([system_tool("kubectl", "kubernetes-client"), "kustomize", str(OVERLAY)])
-    assert done.returncode == 0, f"kubectl kustomize failed:\n{done.stderr}"
-    rendered = tmp_path_factory.mktemp("k8s-triton") / "rendered.yaml"
-    rendered.write_text(done.stdout)
-    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
-    return rendered, {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+    return kustomize(OVERLAY, tmp_path_factory.mktemp("k8s-triton"))
 
 
 def test_the_overlay_passes_kubernetes_validate(overlay) -> None:
