@@ -8,6 +8,7 @@ first use (scripts/triton_venv.sh); a venv that cannot be made fails here with i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import tritonclient.grpc as triton_grpc
@@ -28,7 +30,7 @@ from tritonclient.grpc import model_config_pb2
 from engine.models.base import Prediction
 from engine.models.config import DEFAULT_SPECS
 from engine.models.onnx_backend import OnnxForward, compare, export_path, probe_digest
-from runtime import load_models, load_options
+from runtime import load_options
 from serving.repository import PARAMETERS, ExportedModel, graph_io, main, write_model, write_repository
 from settings import Settings
 from testing.triton_server import SERVE_SCRIPT, TritonRepositoryServer, TritonSetupError, triton_python
@@ -38,9 +40,9 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def models(base_settings: Settings) -> dict[str, Any]:
-    """The built-ins loaded as the app loads them (this module's own: the tests swap their forward pass)."""
-    return load_models(base_settings)
+def models(real_models: dict[str, Any]) -> dict[str, Any]:
+    """The built-ins loaded as the app loads them (the session's; never changed here)."""
+    return real_models
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +186,8 @@ def test_served_answers_equal_the_local_pass_and_the_recorded_torch_answers(
         for task, model in models.items():
             forward = ServedForward(client, protocol, task, local_passes[task])
             probes = model.probe_inputs()
-            model.use_onnx(forward)  # this module's own models: nothing else serves them
+            model = copy.copy(model)  # its own forward pass; the session's model keeps its own
+            model.use_onnx(forward)
             answers = [a for item in probes for a in model.predict_batch([item])]
             together = model.predict_batch(list(probes))  # one request of several rows
             assert forward.calls >= len(probes) and forward.worst <= TOLERANCE, (task, forward.worst)
@@ -270,6 +273,25 @@ def test_killed_and_started_again_on_the_same_ports(
         )
     finally:
         client.close()
+
+
+def test_sigterm_stops_the_server_cleanly(server: TritonRepositoryServer) -> None:
+    """Last of the module's server tests: SIGTERM (Ctrl-C's twin, what `docker stop` and
+    Kubernetes send) unloads the models, stops tritonserver and exits 0, leaving no process and
+    no shared memory behind."""
+    client = triton_http.InferenceServerClient(server.http_address)
+    try:
+        client.infer("image", [image_input()])  # the data plane's shared memory is in use
+    finally:
+        client.close()
+    segments = server.shared_memory()
+    group = psutil.Process(server.pid).children(recursive=True)
+    assert segments and any(p.name() == "tritonserver" for p in group)
+    assert server.stop() == 0
+    assert not server.running() and not psutil.wait_procs(group, timeout=10)[1]
+    assert server.left_behind() == set(), "a clean stop left shared memory behind"
+    assert not [p for p in segments if p.exists()]
+    assert "stopped" in server.log_tail(3)
 
 
 def test_the_serve_script_refuses_a_bad_repository_with_a_message(tmp_path: Path) -> None:
