@@ -61,13 +61,15 @@ class Tensor:
 
 @dataclass(frozen=True)
 class ServedModel:
+    """One model folder as served: its config's I/O, batching and parameters, its graph."""
+
     name: str
-    graph: Path
-    max_batch_size: int
-    queue_delay_us: int
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
-    parameters: dict[str, str]
+    parameters: dict[str, str]  # config.pbtxt's, returned by /v2/models/<name>/config
+    max_batch_size: int  # 0: no batching
+    queue_delay_us: int
+    graph: Path
 
 
 def read_model(folder: Path) -> ServedModel:
@@ -142,7 +144,11 @@ class Behaviour:
                 return {"rows": dict(self.rows), "requests": dict(self.requests),
                         "batches": dict(self.batches)}  # fmt: skip
             if op == "delay":
-                self.delay_s = max(0.0, float(doc.get("seconds", 0.0)))
+                seconds = doc.get("seconds")
+                number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+                if not number or not 0 <= seconds <= 3600:
+                    return {"error": f"delay seconds {seconds!r} is not a number from 0 to 3600"}
+                self.delay_s = float(seconds)
                 return {"delay": self.delay_s}
             if op == "garbage":
                 mode = doc.get("mode")
