@@ -19,7 +19,6 @@ as they are split, and every value quoted in a message (`api.errors.quote`).
 
 from __future__ import annotations
 
-import base64
 import binascii
 import json
 import struct
@@ -279,8 +278,11 @@ def _split_bytes(raw: bytes, count: int) -> list[bytes]:
 
 
 def _b64(element: bytes | str, index: int) -> bytes:
+    # binascii's strict mode accepts what b64decode(validate=True) does, checked in C: the
+    # latter's regular-expression pass made a 140 KB image 1.5 ms of a cached answer's 2.6.
     try:
-        return base64.b64decode(element, validate=True)
+        data = element.encode("ascii") if isinstance(element, str) else element
+        return binascii.a2b_base64(data, strict_mode=True)
     except (binascii.Error, ValueError):  # ValueError: a str with non-ASCII characters
         raise _refuse(f"Element {index} is not valid base64 (content_type 'base64').") from None
 

@@ -812,3 +812,25 @@ def test_a_cached_hit_is_answered_at_once_as_its_task_would(serve_standin, monke
     metrics = httpx.get(served.url + "/metrics").text
     assert any(line.startswith("infcache_requests_total{") and 'route="rest"' in line and 'tier="l1"' in line
                and line.endswith(" 4.0") for line in metrics.splitlines()), metrics  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "element",
+    ["", "YWJj", "YQ==", "YWI=", "YQ=", "YQ", "YQ===", "=YWJj", "YQ==YQ==", "ab=c", "YWJj\n", "YW Jj",
+     "YWJj-_", "YR==", "Y\u00e9Jj", b"YWJj", b"YQ=", b"\xffYWJj"],
+)  # fmt: skip
+def test_base64_elements_are_read_as_the_standard_library_reads_them(element: str | bytes) -> None:
+    # api.tensors decodes with binascii's strict mode (much cheaper on an image); it must accept
+    # and refuse exactly what base64.b64decode(validate=True) does.
+    from api.errors import RequestRefused
+    from api.tensors import _b64
+
+    try:
+        expected: bytes | None = base64.b64decode(element, validate=True)
+    except ValueError:  # binascii.Error is one
+        expected = None
+    try:
+        got: bytes | None = _b64(element, 0)
+    except RequestRefused:
+        got = None
+    assert got == expected
