@@ -34,7 +34,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import psutil
 
@@ -204,7 +204,36 @@ class TritonProcess:
         self._log.close()
 
 
-class TritonRepositoryServer:
+class _Server:
+    """What the servers here share: started on entering (closed if that fails), closed on
+    exiting, a temp dir of their own."""
+
+    _dir: Path | None = None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _remove_dir(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class TritonRepositoryServer(_Server):
     """serving/triton_serve.py serving `repository` on free loopback ports (see the module doc)."""
 
     def __init__(self, repository: Path, *, threads: int = 1, python: Path | None = None) -> None:
@@ -304,20 +333,7 @@ class TritonRepositoryServer:
         if self._process is not None:
             self._process.kill()
             self._process = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def __enter__(self) -> TritonRepositoryServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+        self._remove_dir()
 
 
 # What the bare server needs of the Triton venv: where PyTriton keeps tritonserver and its libraries.
@@ -330,7 +346,7 @@ print("%d.%d" % sys.version_info[:2])
 """
 
 
-class BareTritonServer:
+class BareTritonServer(_Server):
     """tritonserver itself (the one nvidia-pytriton ships) loading `repository` exactly as written,
     with testing/triton_onnx_stand_in.py as its `onnxruntime` backend (it ships only the Python
     backend): the check that the repository's configs are what Triton takes. HTTP only, on a free
@@ -418,17 +434,4 @@ class BareTritonServer:
             except (ProcessLookupError, PermissionError):
                 pass
             process.wait(timeout=30)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def __enter__(self) -> BareTritonServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+        self._remove_dir()
