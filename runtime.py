@@ -35,6 +35,7 @@ from engine.models.base import Classifier
 from engine.models.config import DEFAULT_SPECS, ModelSpec, load_config
 from engine.models.loader import LoadOptions, build_model, load_all
 from engine.models.onnx_backend import TorchThreads
+from engine.models.remote import RemoteOptions
 from engine.pipeline.service import CachePolicy, InferenceEngine
 from engine.quality.hard_examples import HardExamples
 from engine.sizing.key_sampler import KeySampler
@@ -68,6 +69,11 @@ def load_options(settings: Settings) -> LoadOptions:
         max_text_chars=settings.limits.max_text_chars, backend=settings.models.inference_backend,
         export_dir=settings.export_dir, cpu_cores=usable_cores(),
         miss_concurrency_cpu=settings.models.miss_concurrency_cpu,
+        remote=RemoteOptions(
+            connect_timeout_s=settings.remote.connect_timeout_s, timeout_s=settings.remote.timeout_s,
+            breaker_failures=settings.remote.breaker_failure_threshold,
+            breaker_reset_s=settings.remote.breaker_reset_s, breaker_max_s=settings.remote.breaker_max_s,
+        ),
     )  # fmt: skip
 
 
@@ -196,6 +202,16 @@ def build_runtime(
             migrate(db)
         with phase("models (what is left to wait for)"):
             loaded = dict(models) if models is not None else dict(model_factory(settings))
+        # What this runtime loaded it owns (a remote model's client and check thread are closed last);
+        # models given to it are the caller's.
+        given = {id(m) for m in models.values()} if models is not None else set()
+
+        def release(model: Classifier) -> None:
+            if id(model) not in given:
+                _release(model)
+
+        served: Mapping[str, Classifier] = loaded  # the engine's models once it is built (swaps included)
+        stack.callback(lambda: [release(m) for m in list(served.values())])
         if model_loader is None and models is None:
             specs = {spec.task: spec for spec in model_specs(settings)}
             options = load_options(settings)
@@ -245,6 +261,7 @@ def build_runtime(
             shadow_sample_rate=settings.quality.shadow_sample_rate, fleet_flight=flight,
             miss_budget=_miss_budget(settings, l2, policy),
         )  # fmt: skip
+        served = engine.models
         stack.callback(engine.close)  # its waiting L2 writes go out before the store closes
         warm_set = _warm_set(settings, engine, l2)
         if warm_set is not None:
@@ -256,8 +273,9 @@ def build_runtime(
         torch_threads.apply(loaded.values())
         stack.callback(torch_threads.restore)
 
-        def on_swap(task: str, _old: Classifier, _new: Classifier) -> None:
+        def on_swap(task: str, old: Classifier, _new: Classifier) -> None:
             torch_threads.apply(engine.models.values())  # the new model may run on torch
+            release(old)  # a remote model's client and check thread
             if warm_set is not None:
                 warm_set.trigger([task])
 
@@ -315,6 +333,13 @@ def build_runtime(
     except BaseException:
         stack.close()
         raise
+
+
+def _release(model: Classifier) -> None:
+    """Close what a model holds beyond memory (a remote model's client and check thread)."""
+    close = getattr(model, "close", None)
+    if callable(close):
+        close()
 
 
 def _miss_budget(settings: Settings, l2: RedisStore | None, policy: CachePolicy) -> MissBudget | None:

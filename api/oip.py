@@ -13,7 +13,8 @@ device, age_s) are also given flat.
 Statuses: 400 malformed request or bad input (`{"error": "<the engine's message>"}`),
 404 unknown model or version, 413 body over the limit, 415 unknown Content-Encoding,
 429 a miss past the client's miss budget (with `Retry-After`; engine.capacity.fairness: hits are
-never refused), 503 the model failed. Readiness before the models load is the app's gate, not this router's.
+never refused), 503 the model failed (with `Retry-After` when a remote model's server is
+unavailable). Readiness before the models load is the app's gate, not this router's.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from api.tensors import (
     json_separators,
     parse_infer_request,
 )
-from engine.errors import InvalidInputError, ModelError, OverBudgetError
+from engine.errors import InvalidInputError, ModelError, OverBudgetError, RemoteUnavailableError
 from engine.models.base import Classifier
 from engine.pipeline.service import ClassifyResult, InferenceEngine
 
@@ -279,6 +280,8 @@ async def _serve_infer(
         if isinstance(exc, OverBudgetError):
             extra.append((b"retry-after", str(exc.wait_s).encode()))
             await anyio.sleep(min(REFUSAL_HOLD_S, exc.retry_after_s))
+        elif isinstance(exc, RemoteUnavailableError):  # a remote model's server is down or refused
+            extra.append((b"retry-after", str(exc.wait_s).encode()))
         # A refused miss is logged by the engine's request log and metrics, not once per request here.
         if status != 429:
             log.warning("refused %s %s: %d %s", scope["method"], scope["path"][:200], status, message)
@@ -519,7 +522,7 @@ async def _classify_all(
     failed = sorted((rank.get(type(e), 2), i, e) for i, e in enumerate(errors) if e is not None)
     if failed:
         _, index, error = failed[0]
-        if isinstance(error, OverBudgetError):
+        if isinstance(error, OverBudgetError | RemoteUnavailableError):
             raise error  # its Retry-After goes with it
         status, message = _status(error)
         raise RequestRefused(status, f"Element {index}: {message}")

@@ -3,6 +3,7 @@
 InferenceCacheError
  ├── InvalidInputError      the caller's input is unusable; safe to show, safe to cache
  ├── ModelError             the model failed on a valid input; never cached
+ │    ├── RemoteUnavailableError  a remote model's server is down, slow or refused: 503 + Retry-After
  ├── OverBudgetError        a client's miss budget is spent (engine.capacity.fairness); hits still work
  │    └── ModelLoadError    weights missing or not matching the architecture
  └── CacheUnavailableError  a cache tier cannot be reached (handled inside the engine)
@@ -23,6 +24,7 @@ __all__ = [
     "ModelError",
     "ModelLoadError",
     "OverBudgetError",
+    "RemoteUnavailableError",
 ]
 
 
@@ -67,5 +69,22 @@ class OverBudgetError(InferenceCacheError):
         self.message = (
             "Too many new inputs from your address at once while others wait for the model; answers "
             f"already cached still work; try again in {self.wait_s} s."
+        )
+        super().__init__(self.message)
+
+
+class RemoteUnavailableError(ModelError):
+    """A remote model (engine.models.remote) cannot answer a miss now: its server is down or slow,
+    answered garbage or failed the exactness check. `message` is written for the end user (hits
+    still work); `retry_after_s` is when the server is tried again."""
+
+    def __init__(self, task: str, reason: str, retry_after_s: float) -> None:
+        self.task = task
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.wait_s = max(1, int(-(-retry_after_s // 1)))  # whole seconds, rounded up
+        self.message = (
+            f"The {task} model's server is unavailable ({reason}); answers already cached still work; "
+            f"try again in {self.wait_s} s."
         )
         super().__init__(self.message)

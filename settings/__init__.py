@@ -30,6 +30,7 @@ from settings.groups import (
     usable_cores,
 )
 from settings.redis_url import REDIS_URL_FORMS, RedisTarget, parse_redis_url, redact_url
+from settings.remote import Remote
 from settings.root import Settings
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "Quality",
     "Redis",
     "RedisTarget",
+    "Remote",
     "Server",
     "Settings",
     "SettingsError",

@@ -23,6 +23,7 @@ from settings.groups import (
     Server,
     Warmup,
 )
+from settings.remote import Remote
 
 
 class Settings(BaseModel):
@@ -45,6 +46,7 @@ class Settings(BaseModel):
     quality: Quality
     warmup: Warmup
     console: Console
+    remote: Remote
 
     @classmethod
     def groups(cls) -> dict[str, type[Group]]:

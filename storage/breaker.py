@@ -52,6 +52,13 @@ class CircuitBreaker:
                 return BreakerState.HALF_OPEN
             return self._state
 
+    def retry_in_s(self) -> float:
+        """Seconds until an open breaker lets a probe through (0 when closed or due)."""
+        with self._lock:
+            if self._state is BreakerState.CLOSED:
+                return 0.0
+            return max(0.0, self._retry_at - self._clock())
+
     def allow(self) -> bool:
         """True when a call may go to the backend now."""
         with self._lock:
@@ -74,6 +81,13 @@ class CircuitBreaker:
             self._consecutive_failures += 1
             if self._state is BreakerState.HALF_OPEN or self._consecutive_failures >= self._threshold:
                 self._open()
+
+    def trip(self) -> None:
+        """Open now, whatever the count (a caller that knows the backend is unusable)."""
+        with self._lock:
+            self.total_failures += 1
+            self._consecutive_failures += 1
+            self._open()
 
     def _open(self) -> None:
         delay = min(self._max_reset_s, self._reset_s * (2**self._open_count))

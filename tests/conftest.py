@@ -206,3 +206,48 @@ def serve(make_runtime: Callable[..., Runtime]) -> Iterator[Callable[..., tuple[
     yield start
     for server in servers:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def triton_repository(tmp_path_factory: pytest.TempPathFactory, base_settings: Settings) -> Path:
+    """The built-in models' Triton/KServe repository as `make triton-repository` writes it (files
+    only: each module that needs a server starts its own, testing.triton_server)."""
+    from engine.models.config import DEFAULT_SPECS
+    from runtime import load_options
+    from serving.repository import write_repository
+
+    folder = tmp_path_factory.mktemp("triton-repository")
+    write_repository(folder, DEFAULT_SPECS, load_options(base_settings))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def remote_model(base_settings: Settings) -> Iterator[Callable[..., Any]]:
+    """`remote_model(task, url, **remote_options)`: a built-in served through an OIP server, built as
+    the loader builds a `backend: remote` entry (short backoff, so that tests wait for the breaker
+    and the background check, never for defaults; a call's timeout long enough for a busy machine,
+    a test of timeouts sets its own); all closed at the module's end."""
+    from dataclasses import replace
+
+    from engine.models.config import DEFAULT_SPECS, ModelSpec
+    from engine.models.loader import build_model
+    from engine.models.remote import RemoteOptions
+    from runtime import load_options
+
+    fast = RemoteOptions(connect_timeout_s=0.5, timeout_s=10.0, breaker_failures=1, breaker_reset_s=0.2,
+                         breaker_max_s=1.0)  # fmt: skip
+    built: list[Any] = []
+
+    def build(task: str, url: str, *, exports: bool = True, **options: Any) -> Any:
+        """`exports=False`: no local ONNX export to take torch's recorded probe answers from (torch
+        computes them)."""
+        spec = next(s for s in DEFAULT_SPECS if s.task == task)
+        spec = ModelSpec(task=spec.task, kind=spec.kind, source=spec.source, backend="remote", remote_url=url)
+        loading = replace(load_options(base_settings), remote=replace(fast, **options))
+        model = build_model(spec, loading if exports else replace(loading, export_dir=None))
+        built.append(model)
+        return model
+
+    yield build
+    for model in built:
+        model.close()

@@ -16,7 +16,7 @@ import gradio as gr
 from gradio.caching import CacheMissError
 
 from engine.capacity.fairness import client_id
-from engine.errors import InvalidInputError, ModelError, OverBudgetError
+from engine.errors import InvalidInputError, ModelError, OverBudgetError, RemoteUnavailableError
 from engine.models.base import takes_image
 from engine.pipeline.service import ClassifyResult, InferenceEngine, ProbeMiss
 from ui.components import UploadedImage
@@ -52,6 +52,10 @@ def user_errors(probe: bool) -> Iterator[None]:
         if probe:
             raise CacheMissError() from None
         raise gr.Error(exc.message, print_exception=False) from None
+    except RemoteUnavailableError as exc:  # a remote model's server is down, slow or refused
+        if probe:
+            raise CacheMissError() from None
+        raise gr.Error(exc.message, title="Model server unavailable", print_exception=False) from None
     except ModelError as exc:
         if probe:
             raise CacheMissError() from None

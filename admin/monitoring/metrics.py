@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from admin.monitoring.health_metrics import gpu_metrics, redis_metrics
+from admin.monitoring.remote_metrics import remote_metrics
 from engine.pipeline.service import InferenceEngine, RequestRecord
 from storage.log_writer import RequestLogWriter
 
@@ -44,6 +45,7 @@ class _CacheStateCollector(Collector):
         yield from shadow_metrics(self._engine)
         yield from redis_metrics(self._engine)  # INFO of each Redis primary (admin.monitoring.health_metrics)
         yield from gpu_metrics()
+        yield from remote_metrics(self._engine)  # remote models (admin.monitoring.remote_metrics)
         breaker = GaugeMetricFamily(
             "infcache_l2_breaker_state", "L2 circuit breaker: 0 closed, 1 half-open, 2 open, -1 disabled"
         )

@@ -14,7 +14,8 @@ use both cores better.
 Waiting misses are taken round-robin across clients (engine.capacity.fairness.FairQueue): a
 client's many waiting misses do not fill the next batch ahead of another client's one.
 
-A batch that fails is retried item by item, so one bad input fails only itself.
+A batch that fails is retried item by item, so one bad input fails only itself (not when a
+remote model's server is unavailable: that fails every input alike).
 Scores computed in a batch may differ from one-at-a-time scores in the last bits
 (below 1e-6 measured); labels and their order do not change.
 """
@@ -27,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from engine.capacity.fairness import FairQueue, QueueWaits
+from engine.errors import RemoteUnavailableError
 from engine.models.base import Classifier, Prediction
 
 
@@ -119,7 +121,9 @@ class MicroBatcher:
             if len(predictions) != len(batch):
                 raise RuntimeError(f"predict_batch gave {len(predictions)} answers for {len(batch)} inputs")
         except Exception as exc:
-            if len(batch) > 1:
+            # A remote model's server that is down or slow fails every input alike: retrying them one
+            # by one would only multiply the wait (engine.models.remote).
+            if len(batch) > 1 and not isinstance(exc, RemoteUnavailableError):
                 for waiter in batch:  # one bad input must not fail the others
                     self._run([waiter], [waiter.client or ""])
                 return

@@ -96,7 +96,10 @@ class ModelLifecycle:
             new = self._load(task)  # beside the old one, which serves meanwhile; checked by the loader
             load_s = time.perf_counter() - started
             old = self._engine.models[task]
-            if new.version == old.version:
+            if new.version == old.version and not _revives(old, new):
+                close = getattr(new, "close", None)
+                if callable(close):  # a remote model's client and check thread (engine.models.remote)
+                    close()
                 log.info("reload %s: the source holds version %s already; nothing swapped", task, old.version)
                 return ReloadResult(task, old.version, new.version, False, load_s)
             self._engine.replace_model(task, new)
@@ -143,3 +146,11 @@ class ModelLifecycle:
             log.exception("reload %s asked by the fleet failed here; the old model keeps serving", task)
         finally:
             self._fleet.beat_now()  # the acknowledgement: the record carries the version served now
+
+
+def _revives(old: Classifier, new: Classifier) -> bool:
+    """A remote model whose server is not used now, and a fresh one of the same version whose check
+    passed: the swap brings the remote back at once rather than at its next background check."""
+    before = getattr(old, "remote_state", lambda: None)()
+    after = getattr(new, "remote_state", lambda: None)()
+    return before is not None and after is not None and not before["usable"] and after["usable"]

@@ -58,10 +58,17 @@ class Classifier(Protocol):
 
 def model_state(model: Classifier) -> dict[str, Any]:
     """What /readyz, the console and the admin API say of a served model. `backend_reason`:
-    why torch serves it (no export, the probe disagreed, a setting); None on onnxruntime."""
-    return {"name": model.name, "version": model.version, "device": model.device,
-            "backend": getattr(model, "backend", "torch"),
-            "backend_reason": getattr(model, "backend_reason", None)}  # fmt: skip
+    why torch serves it (no export, the probe disagreed, a setting), or why a remote model's
+    server is not used now (its misses are refused); None on onnxruntime or a remote in use.
+    A remote model (engine.models.remote) adds `remote`: its status, reason and counts."""
+    state = {"name": model.name, "version": model.version, "device": model.device,
+             "backend": getattr(model, "backend", "torch"),
+             "backend_reason": getattr(model, "backend_reason", None)}  # fmt: skip
+    remote = getattr(model, "remote_state", None)
+    remote_state = remote() if callable(remote) else None
+    if remote_state is not None:
+        state["remote"] = remote_state
+    return state
 
 
 def takes_image(model: object) -> bool:

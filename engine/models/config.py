@@ -13,8 +13,16 @@
       - task: image
         kind: image-classification
         source: builtin:efficientnet-lite0   # builtin:minilm-intents is the text one
+      - task: text
+        kind: text-classification
+        source: builtin:minilm-intents       # still needed: the tokenizer, the labels, the local version
+        backend: remote                      # misses' forward passes on an Open Inference Protocol v2 server
+        remote_url: grpc://triton:8001       # or http://host:port (Triton, KServe)
+        remote_model: text                   # optional: the server's model name (default: the task)
 
-A bad entry fails start-up with a message naming it (its index and task), never later.
+A bad entry fails start-up with a message naming it (its index and task), never later. A remote
+entry is served as engine.models.remote describes: pre- and post-processing here, the forward pass
+on the server, the key space the server's model version.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -35,11 +44,15 @@ BUILTINS = {
 }
 SOURCES = ("transformers", *BUILTINS)
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "onnxruntime")  # engine.models.onnx_backend
+BACKENDS = ("auto", "torch", "onnxruntime", "remote")  # engine.models.onnx_backend, engine.models.remote
+REMOTE_SCHEMES = ("http", "grpc")
 # A task becomes an API name (classify_<task>), a URL segment and a Redis key part:
 # lower-case letters, digits, '_' and '-', and never ':' (the key separator).
 TASK_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
-_KEYS = {"task", "kind", "source", "path", "device", "backend", "max_batch", "top_k", "ttl_s"}
+_KEYS = {"task", "kind", "source", "path", "device", "backend", "max_batch", "top_k", "ttl_s", "remote_url",
+         "remote_model"}
+# A Triton/KServe model name: what its repository's folder may be called.
+REMOTE_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class ModelConfigError(ModelLoadError):
@@ -59,6 +72,12 @@ class ModelSpec:
     top_k: int | None = None
     ttl_s: int | None = None
     backend: str | None = None
+    remote_url: str | None = None  # backend remote: "http://host:port" or "grpc://host:port"
+    remote_model: str | None = None  # backend remote: the server's model name (None: the task)
+
+    @property
+    def remote(self) -> bool:
+        return self.backend == "remote"
 
     @property
     def builtin(self) -> bool:
@@ -135,11 +154,49 @@ def parse_entry(entry: Any, index: int, *, base: Path) -> ModelSpec:
     backend = entry.get("backend")
     if backend is not None and backend not in BACKENDS:
         raise ModelConfigError(f"{where}: backend {backend!r} must be one of {', '.join(BACKENDS)}")
+    remote_url, remote_model = _remote(entry, backend, where)
     return ModelSpec(
         task=task, kind=kind, source=source, path=path, device=device,
         max_batch=_positive(entry, "max_batch", where), top_k=_positive(entry, "top_k", where),
-        ttl_s=_positive(entry, "ttl_s", where), backend=backend,
+        ttl_s=_positive(entry, "ttl_s", where), backend=backend, remote_url=remote_url,
+        remote_model=remote_model,
     )  # fmt: skip
+
+
+def _remote(entry: dict[str, Any], backend: str | None, where: str) -> tuple[str | None, str | None]:
+    """`remote_url` (and `remote_model`) for backend remote only; the URL is checked here, so a typo
+    stops the start rather than refusing every miss later."""
+    if backend != "remote":
+        extra = [name for name in ("remote_url", "remote_model") if name in entry]
+        if extra:
+            raise ModelConfigError(f"{where}: {' and '.join(extra)} only go with 'backend: remote'")
+        return None, None
+    url = entry.get("remote_url")
+    if not isinstance(url, str) or not url.strip():
+        raise ModelConfigError(f"{where}: backend remote needs 'remote_url' (http://host:port or grpc://host:port)")
+    url = url.strip()
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ModelConfigError(f"{where}: remote_url {url!r} is not a URL: {exc}") from None
+    if parts.scheme not in REMOTE_SCHEMES:
+        raise ModelConfigError(
+            f"{where}: remote_url {url!r} must start with http:// or grpc:// (the server's HTTP or gRPC port)"
+        )
+    if not parts.hostname or port is None:
+        raise ModelConfigError(f"{where}: remote_url {url!r} needs a host and a port ({parts.scheme}://host:port)")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ModelConfigError(
+            f"{where}: remote_url {url!r} takes only {parts.scheme}://host:port (no path, query or user)"
+        )
+    model = entry.get("remote_model", entry.get("task"))
+    if not isinstance(model, str) or not REMOTE_MODEL_NAME.match(model):
+        raise ModelConfigError(
+            f"{where}: remote_model {model!r} must be the server's model name "
+            "(letters, digits, '_', '.', '-')"
+        )
+    return f"{parts.scheme}://{parts.netloc}", model
 
 
 def _positive(entry: dict[str, Any], name: str, where: str) -> int | None:

@@ -8,7 +8,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from engine.models.base import TOP_K, Classifier
 from engine.models.config import ModelConfigError, ModelSpec
 from engine.models.device import describe, select_device
 from engine.models.onnx_backend import attach, resolve
+from engine.models.remote import RemoteOptions, attach_remote
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class LoadOptions:
     # `miss_concurrency_cpu` passes at once (the engine's pass slots), one that batches one.
     cpu_cores: int = 1
     miss_concurrency_cpu: int = 1
+    # `backend: remote` entries (engine.models.remote): timeouts and backoff.
+    remote: RemoteOptions = field(default_factory=RemoteOptions)
 
     def session_threads(self, model: Classifier) -> int:
         """Intra-op threads of one ONNX session: the cores divided among the passes that may
@@ -56,6 +59,8 @@ class LoadOptions:
 def build_model(spec: ModelSpec, options: LoadOptions) -> Classifier:
     """Load one model and check it with a forward pass (raises ModelLoadError naming the entry)."""
     try:
+        if spec.remote:
+            return _build_remote(spec, options)
         lazy = _lazy_torch(spec, options)
         model = _construct(spec, options, lazy_torch=lazy)
         if not lazy:
@@ -74,6 +79,18 @@ def build_model(spec: ModelSpec, options: LoadOptions) -> Classifier:
     except Exception as exc:  # any failure of a user's files is a load failure, named
         log.warning("loading %s failed", spec.label(), exc_info=True)
         raise ModelLoadError(f"{spec.label()}: {type(exc).__name__}: {exc}") from exc
+    return model
+
+
+def _build_remote(spec: ModelSpec, options: LoadOptions) -> Classifier:
+    """The local pieces (processor or tokenizer, labels, the local version; a built-in's torch
+    module only if the check needs the local answers) and the remote forward pass, checked on the
+    probe set (which stands for check_model's pass). A remote that is not used yet does not fail
+    the load: its misses are refused until a background check passes."""
+    assert spec.remote_url is not None  # checked by the config
+    model = _construct(spec, options, lazy_torch=spec.builtin)
+    attach_remote(model, task=spec.task, url=spec.remote_url, remote_model=spec.remote_model or spec.task,
+                  options=options.remote, export_dir=options.export_dir)  # fmt: skip
     return model
 
 

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -74,6 +74,14 @@ class NamedOutput(torch.nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         return getattr(self.model(**dict(zip(self._names, tensors, strict=True))), self._field)
+
+
+class Forward(Protocol):
+    """A forward pass the seam runs: OnnxForward, or engine.models.remote.RemoteForward."""
+
+    inputs: tuple[str, ...]
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor: ...
 
 
 class OnnxForward:
@@ -362,7 +370,7 @@ class BackendSeam:
 
     backend: str = "torch"
     backend_reason: str | None = None
-    _onnx: OnnxForward | None = None
+    _onnx: Forward | None = None
     _fallback: bool = False
     _torch_module: torch.nn.Module | None = None
     _torch_lock: threading.RLock | None = None
@@ -410,7 +418,7 @@ class BackendSeam:
 
     def _pass(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         session = self._onnx
-        if session is None:
+        if session is None or getattr(session, "local_pass", False):  # a remote's local reference
             return self._torch_pass(tensors)
         if not self._fallback:  # the probe: a failure must show, not be covered by torch
             return session(tensors)
@@ -428,3 +436,21 @@ class BackendSeam:
         self._fallback = fallback
         self._onnx = session
         self.backend = "torch" if session is None else "onnxruntime"
+
+    def use_remote(self, forward: Forward) -> None:
+        """Attach a remote forward pass (engine.models.remote): no fallback, its misses are refused
+        while it is not used."""
+        self._fallback = False
+        self._onnx = forward
+        self.backend = "remote"
+
+    def remote_state(self) -> dict[str, Any] | None:
+        """The remote forward's state (engine.models.remote), None for a local model."""
+        state = getattr(self._onnx, "state", None)
+        return state() if callable(state) else None
+
+    def close(self) -> None:
+        """Releases what the forward pass holds (a remote's client and check thread)."""
+        close = getattr(self._onnx, "close", None)
+        if callable(close):
+            close()

@@ -26,7 +26,7 @@ from engine.cache.write_batch import L2Write
 from engine.capacity.admission import ContendedShare
 from engine.capacity.fairness import MissBudget
 from engine.capacity.passes import ModelPasses
-from engine.errors import InvalidInputError, ModelError, OverBudgetError
+from engine.errors import InvalidInputError, ModelError, OverBudgetError, RemoteUnavailableError
 from engine.fleet.flight import FleetFlight
 from engine.models.base import Classifier, model_state
 from engine.pipeline.request_events import RequestEvents
@@ -516,7 +516,7 @@ class InferenceEngine:
             elapsed, share = None, 1.0  # the pass (without the wait for it) and this input's share of it
             try:
                 prediction, elapsed, share = self._passes.run(model, canonical, client)
-            except InvalidInputError:
+            except (InvalidInputError, RemoteUnavailableError):  # the latter: 503 with Retry-After, said
                 raise
             except Exception as exc:
                 # Not the input's fault: never cached, reported as a model error.
