@@ -61,6 +61,7 @@ from ui.call_protocol import (
 )
 from ui.gradio_guard import RefusedCalls
 from ui.lean_sessions import DeliveredIds
+from ui.lean_uploads import UPLOAD_PATH, RepeatedUploads
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class CachedCalls:
         # Gradio's login (auth=...) guards these routes; this app sets none, and with one every
         # request goes to Gradio.
         self.enabled = getattr(gradio_app, "auth", None) is None and gradio_app.auth_dependency is None
+        self.uploads = RepeatedUploads(gradio_app)  # a file uploaded again (ui.lean_uploads)
         self.answered = 0  # calls answered here (for tests and the curious)
 
     def install(self) -> None:
@@ -145,6 +147,9 @@ class CachedCalls:
                     await self._post(scope, receive, send, route[0], named=route[1])
                 else:
                     await self._get(scope, receive, send, route[0])
+                return
+            if self.enabled and path == UPLOAD_PATH and method == "POST":
+                await self.uploads(scope, receive, send, self.app)
                 return
             if self.enabled and path == QUEUE_DATA_PATH and method == "GET":
                 if self._unknown_session(scope):
