@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import get_route_path
 
+from api.repeats import CLIENT_ENTRIES, REPEAT_BODY_BYTES, REPEAT_ENTRIES, Lru
 from engine.capacity.fairness import client_id
 from engine.pipeline.service import InferenceEngine
 from ui.asgi import ASGIApp, Message, Receive, Scope, Send, read_body, replay
@@ -71,6 +72,7 @@ QUEUE_DATA_PATH = "/gradio_api/queue/data"
 # Answers wait this long, at most this many, for their GET (Gradio keeps 2,000 sessions' worth).
 PENDING_CAPACITY = 2000
 PENDING_TTL_S = 300.0
+NOT_DATA = object()  # a body remembered as one Gradio would not take
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ class CachedApi:
     input: Any
     outputs: Sequence[Any]
     raw_input: Callable[[Any], Any]
+    # The raw input when it is cheap to get on the event loop (a message; an upload of a
+    # size read in microseconds), else raising: the probe then runs in a thread.
+    raw_input_now: Callable[[Any], Any] | None = None
 
 
 class CachedCalls:
@@ -109,6 +114,12 @@ class CachedCalls:
         self._blocks = gradio_app.get_blocks()
         self._named: dict[str, Any] | None = None  # Gradio's API info per "/<api>", built on first use
         self._pending: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        # What a repeated call need not pay again (all bounded LRUs): its body's parsed data,
+        # its client's label, and the rendered label of an entry (checked against the entry's
+        # prediction: a recomputed answer is rendered anew).
+        self._bodies = Lru(REPEAT_ENTRIES)  # (api, named, content type, body) -> data or NOT_DATA
+        self._labels = Lru(REPEAT_ENTRIES)  # (api, key) -> (Prediction, rendered label as JSON)
+        self._clients = Lru(CLIENT_ENTRIES)  # address -> engine.capacity.fairness.client_id
         # Answered calls a second GET may name: the lean session holder's table when installed.
         holder_table = getattr(getattr(gradio_app, "state_holder", None), "delivered", None)
         self._delivered: DeliveredIds = holder_table if holder_table is not None else DeliveredIds()
@@ -167,10 +178,13 @@ class CachedCalls:
         messages, body = await read_body(receive, MAX_BODY_BYTES)
         outputs = None
         if isinstance(body, bytes) and api_name in self._apis:
-            request = json_body(scope, body)
-            data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
+            data = self._data(scope, api_name, named, body)
             if data is not None:
-                client = client_id((scope.get("client") or ("",))[0])  # as engine.capacity.forwarding left it
+                address = (scope.get("client") or ("",))[0]  # as engine.capacity.forwarding left it
+                client = self._clients.get(address)
+                if client is None:
+                    client = client_id(address)
+                    self._clients.put(address, client)
                 outputs = await self._cached_outputs(self._apis[api_name], data, client)
         if outputs is None:  # not ours to answer: on to the guard and Gradio, as it came
             await self.app(scope, replay(messages, receive), send)
@@ -179,6 +193,19 @@ class CachedCalls:
         self._remember(event_id, outputs)
         self.answered += 1
         await json_response(200, {"event_id": event_id})(send)
+
+    def _data(self, scope: Scope, api_name: str, named: bool, body: bytes) -> list[Any] | None:
+        """The call's inputs as Gradio's route takes them, or None; a repeated small body
+        (a client asking the same again) is parsed once."""
+        content_type = next((v for k, v in scope.get("headers") or () if k == b"content-type"), None)
+        key = (api_name, named, content_type, body)
+        data = self._bodies.get(key) if len(body) <= REPEAT_BODY_BYTES else None
+        if data is None:
+            request = json_body(scope, body)
+            data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
+            if len(body) <= REPEAT_BODY_BYTES:
+                self._bodies.put(key, NOT_DATA if data is None else data)
+        return None if data is NOT_DATA else data
 
     def _endpoint(self, api_name: str) -> dict[str, Any] | None:
         """Gradio's /gradio_api/info entry of a named endpoint (its parameters), or None."""
@@ -197,21 +224,45 @@ class CachedCalls:
             except ValidationError:
                 return None
 
-        def probe() -> Any:
-            # What Gradio's queue probe does (an L2 read or a file read may block: a thread).
-            return self._engine.classify(api.task, api.raw_input(item), probe=True, client=client)
+        result = None
+        if api.raw_input_now is not None:
+            # This replica's memory, on the event loop (no Redis, no model, no decode): the
+            # hit is logged and counted as the probe's would be; anything else, the probe's.
+            try:
+                raw = api.raw_input_now(item)
+            except Exception:
+                raw = None
+            if raw is not None:
+                result = self._engine.classify_from_memory(api.task, raw, route="gradio", client=client)
+        if result is None:
 
+            def probe() -> Any:
+                # What Gradio's queue probe does (an L2 read or a file read may block: a thread).
+                return self._engine.classify(api.task, api.raw_input(item), probe=True, client=client)
+
+            try:
+                result = await anyio.to_thread.run_sync(probe)
+            except Exception:  # ProbeMiss, bad input, anything: Gradio's queued call handles it
+                return None
         try:
-            result = await anyio.to_thread.run_sync(probe)
-        except Exception:  # ProbeMiss, bad input, anything: Gradio's queued call handles it
-            return None
-        values = (result.prediction.as_label_value(), result.cache_info())
-        try:
-            pairs = zip(api.outputs, values, strict=True)
-            return json.dumps([_rendered(component, value) for component, value in pairs]).encode()
+            return self._outputs(api, result)
         except Exception:  # never a 500 for what Gradio itself can answer
             log.exception("could not render a cached answer for %s; Gradio answers it", api.task)
             return None
+
+    def _outputs(self, api: CachedApi, result: Any) -> bytes:
+        """The event's outputs as Gradio renders them: json.dumps of the rendered label and
+        cache_info, the label kept rendered per entry."""
+        label_output, info_output = api.outputs  # classify events have these two
+        kept = self._labels.get((api.task, result.key))
+        if kept is None or (kept[0] is not result.prediction and kept[0] != result.prediction):
+            kept = (
+                result.prediction,
+                json.dumps(_rendered(label_output, result.prediction.as_label_value())),
+            )
+            self._labels.put((api.task, result.key), kept)
+        # json.dumps of a two-item list is its items' dumps joined by ", ".
+        return f"[{kept[1]}, {json.dumps(_rendered(info_output, result.cache_info()))}]".encode()
 
     def _remember(self, event_id: str, outputs: bytes) -> None:
         now = self._clock()
