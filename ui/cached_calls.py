@@ -50,10 +50,12 @@ from ui.asgi import ASGIApp, Message, Receive, Scope, Send, read_body, replay
 from ui.call_protocol import (
     MAX_BODY_BYTES,
     NOT_FOUND,
+    SSE_CONTENT_TYPE,
     RefusalLog,
     body_part,
     error_event,
     event_stream,
+    json_answer,
     json_body,
     json_response,
     named_data,
@@ -129,6 +131,7 @@ class CachedCalls:
         self.enabled = getattr(gradio_app, "auth", None) is None and gradio_app.auth_dependency is None
         self.uploads = RepeatedUploads(gradio_app)  # a file uploaded again (ui.lean_uploads)
         self.answered = 0  # calls answered here (for tests and the curious)
+        self.answered_now = 0  # of which by answer_now (POST and GET answered without a task)
 
     def install(self) -> None:
         """Become a middleware of the Gradio app, just inside Gradio's CORS middleware (so
@@ -178,21 +181,66 @@ class CachedCalls:
         messages, body = await read_body(receive, MAX_BODY_BYTES)
         outputs = None
         if isinstance(body, bytes) and api_name in self._apis:
-            data = self._data(scope, api_name, named, body)
-            if data is not None:
-                address = (scope.get("client") or ("",))[0]  # as engine.capacity.forwarding left it
-                client = self._clients.get(address)
-                if client is None:
-                    client = client_id(address)
-                    self._clients.put(address, client)
-                outputs = await self._cached_outputs(self._apis[api_name], data, client)
+            api = self._apis[api_name]
+            item = self._item(api, self._data(scope, api_name, named, body))
+            if item is not NOT_DATA:
+                outputs = await self._cached_outputs(api, item, self._client(scope))
         if outputs is None:  # not ours to answer: on to the guard and Gradio, as it came
             await self.app(scope, replay(messages, receive), send)
             return
+        await json_response(200, {"event_id": self._queued(outputs)})(send)
+
+    def answer_now(self, scope: Scope, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The whole answer to a complete call request when it can be made at once, without a
+        task or the ASGI messages (the server's protocol asks, ui.limits, through
+        ui.startup.ServingApp): the POST of a call this replica's memory answers, the GET of
+        an answer waiting here. The same bytes as the app would send; the hit logged and
+        counted as any. None, with nothing done, for anything else (a request with an Origin
+        too: Gradio's CORS middleware has headers to add)."""
+        if not self.enabled or any(name == b"origin" for name, _ in scope["headers"]):
+            return None
+        path, method = scope["path"], scope["method"]
+        route = (
+            _call_route(method, path[len(CALL_PREFIX) :].split("/")) if path.startswith(CALL_PREFIX) else None
+        )
+        if route is None:
+            return None
+        if method == "GET":
+            entry = self._pending.pop(route[0], None)
+            if entry is None:
+                return None
+            self._delivered.add(route[0])
+            self.answered_now += 1
+            return 200, [SSE_CONTENT_TYPE], b"event: complete\ndata: " + entry[1] + b"\n\n"
+        api = self._apis.get(route[0])
+        if api is None or api.raw_input_now is None:
+            return None
+        item = self._item(api, self._data(scope, route[0], route[1], body))
+        result = self._from_memory(api, item, self._client(scope)) if item is not NOT_DATA else None
+        if result is None:
+            return None
+        try:
+            outputs = self._outputs(api, result)
+        except Exception:  # never a 500 for what Gradio itself can answer
+            log.exception("could not render a cached answer for %s; Gradio answers it", api.task)
+            return None
+        self.answered_now += 1
+        return json_answer(200, {"event_id": self._queued(outputs)})
+
+    def _queued(self, outputs: bytes) -> str:
+        """A new event id whose GET streams `outputs`."""
         event_id = uuid.uuid4().hex
         self._remember(event_id, outputs)
         self.answered += 1
-        await json_response(200, {"event_id": event_id})(send)
+        return event_id
+
+    def _client(self, scope: Scope) -> str:
+        address = (scope.get("client") or ("",))[0]  # as engine.capacity.forwarding left it
+        client = self._clients.get(address)
+        if client is None:
+            client = client_id(address)
+            self._clients.put(address, client)
+        return client  # type: ignore[no-any-return]
 
     def _data(self, scope: Scope, api_name: str, named: bool, body: bytes) -> list[Any] | None:
         """The call's inputs as Gradio's route takes them, or None; a repeated small body
@@ -213,27 +261,32 @@ class CachedCalls:
             self._named = self._blocks.get_api_info()["named_endpoints"]
         return self._named.get("/" + api_name)
 
-    async def _cached_outputs(self, api: CachedApi, data: list[Any], client: str) -> bytes | None:
-        if len(data) != 1:
-            return None  # Gradio ignores extra items; its answer, not ours
+    def _item(self, api: CachedApi, data: list[Any] | None) -> Any:
+        """The call's one input, or NOT_DATA where Gradio's answer is not ours to give."""
+        if data is None or len(data) != 1:
+            return NOT_DATA  # Gradio ignores extra items; its answer, not ours
         item = data[0]
         model = getattr(api.input, "data_model", None)
         if model is not None and item is not None:
             try:  # what Gradio's preprocessing checks first (Blocks.preprocess_data)
                 model.model_validate(item, context={"validate_meta": True})
             except ValidationError:
-                return None
+                return NOT_DATA
+        return item
 
-        result = None
-        if api.raw_input_now is not None:
-            # This replica's memory, on the event loop (no Redis, no model, no decode): the
-            # hit is logged and counted as the probe's would be; anything else, the probe's.
-            try:
-                raw = api.raw_input_now(item)
-            except Exception:
-                raw = None
-            if raw is not None:
-                result = self._engine.classify_from_memory(api.task, raw, route="gradio", client=client)
+    def _from_memory(self, api: CachedApi, item: Any, client: str) -> Any:
+        """The answer when this replica's memory holds it, on the event loop (no Redis, no
+        model, no decode): the hit is logged and counted as the probe's would be. Else None."""
+        if api.raw_input_now is None:
+            return None
+        try:
+            raw = api.raw_input_now(item)
+        except Exception:
+            return None
+        return self._engine.classify_from_memory(api.task, raw, route="gradio", client=client)
+
+    async def _cached_outputs(self, api: CachedApi, item: Any, client: str) -> bytes | None:
+        result = self._from_memory(api, item, client)
         if result is None:
 
             def probe() -> Any:
