@@ -64,7 +64,7 @@ from ui.call_protocol import (
 )
 from ui.gradio_guard import RefusedCalls
 from ui.lean_sessions import DeliveredIds
-from ui.lean_uploads import UPLOAD_PATH, RepeatedUploads
+from ui.lean_uploads import UPLOAD_PATH, LeanUploads
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class CachedCalls:
         # Gradio's login (auth=...) guards these routes; this app sets none, and with one every
         # request goes to Gradio.
         self.enabled = getattr(gradio_app, "auth", None) is None and gradio_app.auth_dependency is None
-        self.uploads = RepeatedUploads(gradio_app)  # a file uploaded again (ui.lean_uploads)
+        self.uploads = LeanUploads(gradio_app)  # one-file uploads (ui.lean_uploads)
         self.answered = 0  # calls answered here (for tests and the curious)
         self.answered_now = 0  # of which by answer_now (POST and GET answered without a task)
 

@@ -1,17 +1,19 @@
-"""A repeated upload answered without Gradio's routing or a file write.
+"""A one-file upload stored and answered without Gradio's routing.
 
 An API client classifying an image uploads it first (`POST /gradio_api/upload`, one file in
 a multipart form) and then names the path Gradio answers. Gradio stores a file under its
-content's address, `<upload folder>/<sha256(seed + bytes)>/<file name>`, so the same file
-sent again lands where it already is: Gradio parses the form, writes the bytes to a temporary
-file, hashes them and renames the copy over the old one, after walking its hundred routes to
-find the upload route (about two thirds of a cached image's server CPU through Gradio's API,
-Gradio 6.31). `RepeatedUploads` answers such an upload itself: when the form holds exactly one
-file, field `files`, and the file its bytes name is already in the upload folder with their
-size, the answer is Gradio's (`["<that path>"]`), the path is added to `Blocks.upload_file_set`
-as Gradio adds it, and the file's modification time is set to now, as Gradio's rename would
-(whatever expires old uploads sees a fresh one). Anything else (a new file, another form, a
-query such as `upload_id`, a body that is not a well-formed form) goes on to Gradio as it came.
+content's address, `<upload folder>/<sha256(seed + bytes)>/<file name>`: it parses the form,
+writes the bytes to a temporary file in the upload folder while hashing them, and renames it
+to that address (over the same bytes, when the file was sent before), after walking its
+hundred routes to find the upload route: about two thirds of a cached image's server CPU
+through Gradio's API (Gradio 6.31). `LeanUploads` does the same for the common form, exactly
+one file in the field `files` (up to NEW_FILE_BYTES when new): a file already at its address
+(with the bytes' size) is not written again, only its modification time set to now, as
+Gradio's rename would leave it (whatever expires old uploads sees a fresh one); a new one is
+written as Gradio writes it (a temporary file, mode 0600, renamed). The answer is Gradio's
+(`["<the path>"]`) and the path is added to `Blocks.upload_file_set` as Gradio adds it.
+Anything else (another form, a query such as `upload_id`, a body that is not a well-formed
+form, a file past the size limit, a rename that fails) goes on to Gradio as it came.
 
 The address of a body seen before is remembered by its BLAKE3 digest and file name (a small
 LRU), so a repeat costs a BLAKE3 pass over the bytes instead of SHA-256 (five to eight times
@@ -20,9 +22,11 @@ slower here); the digest is collision-resistant, as the cache's own keys are.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
+from tempfile import NamedTemporaryFile
 from typing import Any
 
 import orjson
@@ -40,19 +44,23 @@ UPLOAD_PATH = "/gradio_api/upload"
 MAX_REPEAT_UPLOAD_BYTES = 8 * 1024 * 1024
 PART_HEADER_BYTES = 4 * 1024  # part headers past this: Gradio's to judge (its own limit is larger)
 ADDRESSES = 1024  # bodies whose upload path is remembered
+# A new file up to this size is written here, on the event loop (a photo: tens of microseconds);
+# a larger one is Gradio's to write (in its thread pool).
+NEW_FILE_BYTES = 1024 * 1024
 
 
-class RepeatedUploads:
-    """Answers repeated one-file uploads for the Gradio app `gradio_app` (see the module)."""
+class LeanUploads:
+    """Stores and answers one-file uploads for the Gradio app `gradio_app` (see the module)."""
 
     def __init__(self, gradio_app: Any) -> None:
         self._blocks = gradio_app.get_blocks()
         self._folder = Path(gradio_app.uploaded_file_dir)
         self._addresses = Lru(ADDRESSES)  # (blake3 digest, file name) -> path in the upload folder
         self.answered = 0  # uploads answered here (for tests and the curious)
+        self.stored = 0  # of which new files written here
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, app: Any) -> None:
-        """Serve `POST /gradio_api/upload`: answered here when repeated, else by `app`."""
+        """Serve `POST /gradio_api/upload`: answered here when it is the common form, else by `app`."""
         content_type, declared = _form_headers(scope)
         if (
             content_type is None
@@ -76,8 +84,8 @@ class RepeatedUploads:
         await send({"type": "http.response.body", "body": payload, "more_body": False})
 
     def _stored_path(self, content_type: bytes, body: bytes) -> str | None:
-        """The upload folder's path of the form's one file when that file is stored there
-        already (its modification time set to now), else None."""
+        """The upload folder's path of the form's one file, stored there as Gradio stores it
+        (or found there, its modification time set to now), else None."""
         part = _one_file(content_type, body)
         if part is None:
             return None
@@ -90,7 +98,7 @@ class RepeatedUploads:
             return None  # Gradio names it at random: a new file each time
         key = (blake3(data).digest(), name)
         path = self._addresses.get(key)
-        if path is None:
+        if path is None or not _touched(path, len(data)):
             # As Gradio addresses it (route_utils.upload_fn, GradioUploadFile's sha).
             sha = hashlib.sha256(processing_utils.hash_seed)
             sha.update(data)
@@ -100,15 +108,39 @@ class RepeatedUploads:
                 )
             except Exception:  # an invalid name: Gradio's 400
                 return None
-        try:
-            stat = os.stat(path)
-            if not os.path.isfile(path) or stat.st_size != len(data):
+            if not _touched(path, len(data)) and (len(data) > NEW_FILE_BYTES or not self._stored(path, data)):
                 return None
-            os.utime(path)
-        except OSError:
-            return None
         self._addresses.put(key, path)
         return path
+
+    def _stored(self, path: str, data: bytes) -> bool:
+        """`data` stored at `path` as Gradio stores an upload: a temporary file in the upload
+        folder (its mode 0600, as Gradio's), renamed into its content's folder."""
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with NamedTemporaryFile(delete=False, dir=self._folder) as temp:
+                temp.write(data)
+        except OSError:
+            return False
+        try:
+            os.rename(temp.name, path)
+        except OSError:  # Gradio copies it in the background then: its answer
+            with contextlib.suppress(OSError):
+                os.unlink(temp.name)
+            return False
+        self.stored += 1
+        return True
+
+
+def _touched(path: str, size: int) -> bool:
+    """Whether `path` is a file of `size` bytes; if so its modification time is set to now."""
+    try:
+        if not os.path.isfile(path) or os.stat(path).st_size != size:
+            return False
+        os.utime(path)
+    except OSError:
+        return False
+    return True
 
 
 def _form_headers(scope: Scope) -> tuple[bytes | None, int | None]:
