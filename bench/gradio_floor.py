@@ -17,13 +17,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
-from bench.cached_routes import start_app
+from bench.cached_routes import start_app, wait_ready
 from bench.workload.processes import process_cpu_s
 from storage.redis.embedded import free_port
 from testing.gradio_http import GradioHttpClient
@@ -44,17 +41,7 @@ def start_empty() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-c", EMPTY_APP, str(port)], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/gradio_api/info", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("the empty Gradio app did not start")
+    return process, wait_ready(process, f"http://127.0.0.1:{port}", "/gradio_api/info", 120.0)
 
 
 def main() -> None:

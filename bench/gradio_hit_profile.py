@@ -14,16 +14,10 @@ times profiled (the functions that take the event loop's time). Figures per call
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import pstats
-import signal
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.rest_hit_profile import report, start_server, thread_cpu
+from bench.rest_hit_profile import profile_row, profiled_server
 from testing.gradio_http import GradioHttpClient
 
 MESSAGE = "Where is my parcel? It was supposed to arrive on Monday."
@@ -56,35 +50,11 @@ def main() -> None:
     import skimage
 
     photo = (Path(skimage.__file__).parent / "data" / "chelsea.png").read_bytes()
-    with tempfile.TemporaryDirectory() as tmp:
-        out_dir = Path(tmp)
-        process, url = start_server(out_dir, args.timer)
-        stops = 0
-        try:
-            for row in args.rows.split(","):
-                client, call = row_call(url, row, photo)
-                for _ in range(200):
-                    call()
-                before, started = thread_cpu(process.pid), time.perf_counter()
-                for _ in range(args.requests):
-                    call()
-                wall = time.perf_counter() - started
-                after = thread_cpu(process.pid)
-                os.kill(process.pid, signal.SIGUSR1)
-                time.sleep(0.2)
-                for _ in range(args.requests):
-                    call()
-                os.kill(process.pid, signal.SIGUSR2)
-                stops += 1
-                while not (out_dir / f"done-{stops}").exists():
-                    time.sleep(0.05)
-                names = json.loads((out_dir / f"threads-{stops}.json").read_text())
-                report(row, args, wall, before, after, {int(k): v for k, v in names.items()},
-                       pstats.Stats(str(out_dir / f"profile-{stops}.prof")))  # fmt: skip
-                client.close()
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
+    with profiled_server(args.timer) as (pid, url, out_dir):
+        for stop, row in enumerate(args.rows.split(","), start=1):
+            client, call = row_call(url, row, photo)
+            profile_row(pid, out_dir, stop, row, args, lambda n, c=call: [c() for _ in range(n)])
+            client.close()
 
 
 if __name__ == "__main__":
