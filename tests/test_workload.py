@@ -267,3 +267,11 @@ def test_the_benchmarks_redis_is_like_the_apps_private_one(redis_binary, tmp_pat
             assert (found["port"] != "0") == tcp and bool(found["unixsocket"]) != tcp
         finally:
             client.close()
+
+
+def test_http_paths_pick_the_gradio_comparison_alone() -> None:
+    assert cli.config_from_args(cli.parse_args(["--http-only"])).http_paths == config.HTTP_SYSTEMS
+    picked = cli.config_from_args(cli.parse_args(["--http-only", "--http-paths", "ours,grcache"]))
+    assert picked.http_paths == ("grcache", "ours")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--http-paths", "nothing"])
