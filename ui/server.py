@@ -38,6 +38,7 @@ from ui.gradio_guard import GradioGuard, RefusedCalls
 from ui.lean_sessions import SweepTimer, install_lean_sessions
 from ui.limits import HeaderLimits, limited_http_protocol
 from ui.queue_shares import QueueShares
+from ui.queue_wake import WokenQueue
 from ui.startup import Runtime, ServingApp
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     app.router.add_event_handler("startup", sweeps.start)
     app.router.add_event_handler("shutdown", sweeps.stop)
     QueueShares(demo._queue, holder).install()  # one address cannot fill the queue for the others
+    WokenQueue(demo._queue).install()  # Gradio's queue loop woken by work, not polling every 1 ms
     # Cached answers of the two-step HTTP API skip Gradio's routing and queue (see ui.cached_calls):
     # a middleware of the Gradio app just inside its CORS middleware, in front of the guard.
     apis = _cached_call_apis(demo, engine, settings.limits.max_upload_bytes)
