@@ -22,6 +22,7 @@ from sqlalchemy import select
 from storage.redis.embedded import free_port
 from storage.sql import RequestRow, make_engine
 from testing.gradio_http import GradioHttpClient, Reply, parse_event_stream
+from testing.raw_http import exchange
 from tests.conftest import CountingTextModel
 from ui.cached_calls import PENDING_CAPACITY, PENDING_TTL_S, CachedCalls
 from ui.call_protocol import RefusalLog
@@ -217,30 +218,13 @@ def test_a_page_on_another_site_reads_cached_answers(serve_shortcut) -> None:
     assert shortcut.answered == 2  # the cached calls, both routes, answered in front of Gradio
 
 
-def _exchange(sock: socket.socket, request: bytes) -> tuple[list[bytes], bytes]:
-    """One request on a kept-alive connection: (the head's lines, the body as sent: chunked
-    bodies with their framing)."""
-    sock.sendall(request)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.split(b"\r\n")
-    length = next(
-        (int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length:")), None
-    )
-    while (len(body) < length) if length is not None else not body.endswith(b"0\r\n\r\n"):
-        body += sock.recv(65536)
-    return lines, body
-
-
 def _call(sock: socket.socket, message: str) -> tuple[tuple[list[bytes], bytes], tuple[list[bytes], bytes]]:
     """POST /gradio_api/call/classify_text and the GET of its stream, as raw HTTP."""
     body = json.dumps({"data": [message]}).encode()
     head = b"POST /gradio_api/call/classify_text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    queued = _exchange(sock, head + b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    queued = exchange(sock, head + b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
     event_id = json.loads(queued[1])["event_id"].encode()
-    stream = _exchange(sock, b"GET /gradio_api/call/classify_text/%b HTTP/1.1\r\nHost: x\r\n\r\n" % event_id)
+    stream = exchange(sock, b"GET /gradio_api/call/classify_text/%b HTTP/1.1\r\nHost: x\r\n\r\n" % event_id)
     return queued, stream
 
 
