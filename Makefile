@@ -5,7 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults bench-redis-scale bench-triton soak clean setup
+.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults bench-redis-scale bench-triton soak clean setup \
+	triton-repository triton-serve
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,6 +61,20 @@ bench-redis-scale: $(STAMP)
 # makes .venv-triton with nvidia-pytriton from PyPI, scripts/triton_venv.sh).
 bench-triton: $(STAMP)
 	$(PY) -m bench.triton_peer
+
+# The served models as a Triton/KServe model repository (MODELS_CONFIG's, or the built-ins): ONNX
+# graphs, config.pbtxt with dynamic batching and this app's model versions (docs/REMOTE.md).
+triton-repository: $(STAMP)
+	@test -n "$(DIR)" || { echo "usage: make triton-repository DIR=<folder>" >&2; exit 2; }
+	$(PY) -m serving.repository "$(DIR)"
+
+# A real tritonserver (nvidia-pytriton's, CPU) serving that repository: HTTP on PORT, gRPC on
+# PORT+1, metrics on PORT+2 (PORT: 8000 unless given), on every interface, until Ctrl-C. The first
+# run makes .venv-triton.
+triton-serve:
+	@test -n "$(DIR)" || { echo "usage: make triton-serve DIR=<folder> [PORT=8000]" >&2; exit 2; }
+	@set -o pipefail; python=$$(scripts/triton_venv.sh | tail -n 1) && \
+	exec "$$python" serving/triton_serve.py --repository "$(DIR)" --http-port $(or $(PORT),8000) --address 0.0.0.0
 
 clean:
 	rm -rf $(VENV) .venv-triton .pytest_cache .ruff_cache test-artifacts

@@ -29,52 +29,29 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
-import json
 import os
-import queue
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import psutil
 
 from bench.cached_routes import start_app
 from storage.redis.embedded import free_port
+from testing.triton_server import TritonProcess, TritonSetupError, triton_python
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV_SCRIPT = ROOT / "scripts" / "triton_venv.sh"
 SERVER_SCRIPT = ROOT / "bench" / "triton_server.py"
 MESSAGE = "Where is my parcel? It was supposed to arrive on Monday."
 TASKS = ("text", "image")
 ENCODINGS = ("json", "binary")
 TARGET_P50 = 1.25  # ours / Triton, at most
 TARGET_CPU = 2.0
-TRITON_START_S = 180.0
-
-
-class TritonPeerError(RuntimeError):
-    """The Triton side could not be set up; the message says what happened."""
-
-
-def triton_python() -> Path:
-    """The Triton venv's python, made by scripts/triton_venv.sh if missing (a clear error if it fails)."""
-    done = subprocess.run(["bash", str(VENV_SCRIPT)], cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise TritonPeerError(f"{VENV_SCRIPT.name} failed (exit {done.returncode}):\n"
-                              f"{(done.stderr or done.stdout).strip()[-3000:]}")  # fmt: skip
-    return ROOT / done.stdout.strip().splitlines()[-1]
-
-
-def _lines(stream: IO[str], into: queue.Queue[str | None]) -> None:
-    for line in stream:
-        into.put(line)
-    into.put(None)
+TritonPeerError = TritonSetupError  # the Triton side could not be set up; the message says what happened
 
 
 class TritonPeer:
@@ -83,23 +60,10 @@ class TritonPeer:
     def __init__(self, python: Path, log_path: Path) -> None:
         self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
         self.log_path = log_path
-        self._log = log_path.open("w")
-        self.process = subprocess.Popen(
-            [str(python), str(SERVER_SCRIPT), "--http-port", str(self.ports["http"]),
-             "--grpc-port", str(self.ports["grpc"]), "--metrics-port", str(self.ports["metrics"])],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-        )  # fmt: skip
-        assert self.process.stdout is not None
-        self._answers: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_lines, args=(self.process.stdout, self._answers), daemon=True).start()
-        try:
-            ready = self._receive(TRITON_START_S)
-        except TritonPeerError:
-            self.close()
-            raise
-        if not ready.get("ready"):
-            self.close()
-            raise TritonPeerError(f"unexpected first line from triton_server.py: {ready}")
+        args = ["--http-port", str(self.ports["http"]), "--grpc-port", str(self.ports["grpc"]),
+                "--metrics-port", str(self.ports["metrics"])]  # fmt: skip
+        self._process = TritonProcess(python, SERVER_SCRIPT, args, log_path)
+        self.process = self._process.process
         servers = [p for p in psutil.Process(self.process.pid).children(recursive=True)
                    if p.name() == "tritonserver"]  # fmt: skip
         if not servers:
@@ -108,28 +72,12 @@ class TritonPeer:
         self.server = servers[0]
         self.url = f"127.0.0.1:{self.ports['http']}"
 
-    def _receive(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            line = self._answers.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TritonPeerError(f"triton_server.py said nothing within {timeout_s:.0f} s; its log "
-                                  f"({self.log_path}) ends:\n{self.log_tail()}") from None  # fmt: skip
-        if line is None:
-            self.process.wait(timeout=30)
-            raise TritonPeerError(f"triton_server.py exited ({self.process.returncode}) before it was ready; "
-                                  f"its log ({self.log_path}) ends:\n{self.log_tail()}")  # fmt: skip
-        return json.loads(line)
-
     def log_tail(self, lines: int = 25) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return self._process.log_tail(lines)
 
     def callable_calls(self) -> dict[str, int]:
         """How many times each bound Python callable has run (a hit must not run it)."""
-        assert self.process.stdin is not None
-        self.process.stdin.write("calls\n")
-        self.process.stdin.flush()
-        return self._receive(30)["calls"]
+        return self._process.request({"op": "calls"})["calls"]
 
     def cpu_s(self) -> float:
         """user + sys seconds of tritonserver and its children (the Python-backend stubs)."""
@@ -140,15 +88,7 @@ class TritonPeer:
         return _own_cpu_s(psutil.Process(self.process.pid))
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                assert self.process.stdin is not None
-                self.process.stdin.close()  # end of stdin: the server stops
-                self.process.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(timeout=30)
-        self._log.close()
+        self._process.close()
 
 
 def _own_cpu_s(process: psutil.Process) -> float:

@@ -12,8 +12,8 @@ cache hits are measured, so what they answer does not matter). Triton's response
 (`--cache-config local,size=...` and `response_cache { enable: true }` on each model), so a
 repeated request is answered from the cache and never reaches its callable.
 
-Protocol on stdout/stdin, one JSON object a line: once the models are loaded the server prints
-`{"ready": true, "http_port": ..., ...}`; each line `calls` on stdin is answered with
+The JSON-line protocol of serving/triton_common.py: once the models are loaded the server prints
+`{"ready": true, "http_port": ..., ...}`; each line `{"op": "calls"}` on stdin is answered with
 `{"calls": {"text": n, "image": n}}` (the callables' invocations so far); end of stdin stops it.
 """
 
@@ -22,13 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: serving.triton_common
 
 import numpy as np
 from pytriton.model_config import ModelConfig, Tensor
-from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
+from pytriton.triton import Triton, TritonSecurityConfig
+
+from serving.triton_common import add_port_arguments, ports, take_protocol_channel, triton_config
 
 TASKS = ("text", "image")
 INPUT_NAME = "input"
@@ -53,34 +57,14 @@ def make_infer(task: str):
     return infer
 
 
-# The protocol's own channel: the original stdout. PyTriton prints tritonserver's log to
-# stdout, so stdout itself (fd 1 and sys.stdout) is pointed at stderr before anything starts.
-_PROTOCOL = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
-
-
-def emit(payload: dict) -> None:
-    _PROTOCOL.write(json.dumps(payload) + "\n")
-    _PROTOCOL.flush()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http-port", type=int, required=True)
-    parser.add_argument("--grpc-port", type=int, required=True)
-    parser.add_argument("--metrics-port", type=int, required=True)
+    add_port_arguments(parser)
     parser.add_argument("--cache-bytes", type=int, default=64 * 2**20)
-    parser.add_argument("--log-verbose", type=int, default=0)
     args = parser.parse_args()
+    protocol = take_protocol_channel()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    config = TritonConfig(
-        http_address="127.0.0.1", http_port=args.http_port,
-        grpc_address="127.0.0.1", grpc_port=args.grpc_port,
-        metrics_address="127.0.0.1", metrics_port=args.metrics_port,
-        cache_config=[f"local,size={args.cache_bytes}"],
-        log_verbose=args.log_verbose, exit_timeout_secs=5,
-    )  # fmt: skip
+    config = triton_config(args, cache_config=[f"local,size={args.cache_bytes}"])
     # No token on the statistics endpoint: loopback only, and the bench reads cache hit counts there.
     security = TritonSecurityConfig(restricted_endpoints=[])
     with Triton(config=config, security_config=security) as triton:
@@ -97,12 +81,13 @@ def main() -> None:
                 strict=True,
             )
         triton.run()
-        emit({"ready": True, "http_port": args.http_port, "grpc_port": args.grpc_port,
-              "metrics_port": args.metrics_port})  # fmt: skip
+        protocol.emit({"ready": True, **ports(args)})
         for line in sys.stdin:
-            if line.strip() == "calls":
+            if json.loads(line).get("op") == "calls":
                 with _LOCK:
-                    emit({"calls": dict(CALLS)})
+                    protocol.emit({"calls": dict(CALLS)})
+            else:
+                protocol.emit({"error": f"unknown command {line.strip()[:80]!r}"})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The Triton venv of bench.triton_peer: nvidia-pytriton 0.7.0 (it ships tritonserver 2.51, which
-# runs on a CPU) and numpy < 2, in .venv-triton/ (or $TRITON_VENV). Idempotent: a second run
+# The Triton venv of bench.triton_peer and serving/triton_serve.py: nvidia-pytriton 0.7.0 (it ships
+# tritonserver 2.51, which runs on a CPU), numpy < 2 and onnxruntime (the app's version, which runs on
+# numpy 1.x too: the exported graphs are served with it), in .venv-triton/ (or $TRITON_VENV). Idempotent: a second run
 # checks the stamp and the imports and returns at once. pip only, from PyPI.
 # It must be Debian's /usr/bin/python3 (3.11): Triton's Python-backend stub links the system
 # libpython3.11.so, and a venv of another Python 3.11 build (pyenv, the app's) makes the stub
@@ -9,13 +10,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${TRITON_VENV:-.venv-triton}
 python=${TRITON_PYTHON:-/usr/bin/python3}
-pins=("nvidia-pytriton==0.7.0" "numpy<2")
+pins=("nvidia-pytriton==0.7.0" "numpy<2" "onnxruntime==1.31.1")
 stamp="$venv/.triton-installed"
 
 fail() { echo "triton_venv: $*" >&2; exit 1; }
 
 check() {
-  "$venv/bin/python" -c 'import numpy, pytriton.triton, tritonclient.http' 2>/dev/null \
+  "$venv/bin/python" -c 'import numpy, onnxruntime, pytriton.triton, tritonclient.http' 2>/dev/null \
     && [[ -x "$("$venv/bin/python" -c 'import pathlib, pytriton; print(pathlib.Path(pytriton.__file__).parent / "tritonserver/bin/tritonserver")')" ]]
 }
 

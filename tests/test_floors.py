@@ -1,6 +1,7 @@
 """The floors (docs/ARCHITECTURE.md): an import may go down or sideways, never up.
 
-storage < engine < admin < api, ui < app.py, runtime.py (the composition root), process_setup.py < testing
+storage < engine < admin < api, ui < app.py, runtime.py (the composition root), process_setup.py, serving
+(the Triton model repository, beside the root) < testing
 (servers and clients the suite and the benchmarks share) < bench < faults (the fault suite) < tests.
 `settings/` is plain data below them all: anyone may import it, and it imports nothing of ours.
 Every import counts, including those inside functions and under `if TYPE_CHECKING:`.
@@ -33,6 +34,7 @@ FLOORS: dict[str, int] = {
     "app": 5,
     "runtime": 5,
     "process_setup": 5,
+    "serving": 5,  # the model repository for Triton: loads the models as the app does (runtime)
     "testing": 6,
     "bench": 7,
     "faults": 8,
