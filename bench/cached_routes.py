@@ -42,17 +42,21 @@ def start_app(
     env = {**os.environ, "PORT": str(port), "REDIS_URL": "off", "DATA_DIR": str(data_dir),
            "ADMIN_TOKEN": "bench-cached-routes", **(env or {})}  # fmt: skip
     process = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    return process, wait_ready(process, f"http://127.0.0.1:{port}", "/readyz")
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str, path: str, timeout_s: float = 300.0) -> str:
+    """`url` once `path` answers 200 there; the process is killed if it never does."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return process, url
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     process.kill()
-    raise RuntimeError("the app did not become ready")
+    raise RuntimeError(f"{url} did not become ready")
 
 
 def one_call(http: httpx.Client, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
@@ -82,8 +86,11 @@ def main() -> None:
                 routes = {
                     "text, call": ("/gradio_api/call/classify_text", {"data": [MESSAGE]}, {}),
                     "text, call/v2": ("/gradio_api/call/v2/classify_text", {"message": MESSAGE}, {}),
-                    "text, call/v2, cross-site": ("/gradio_api/call/v2/classify_text", {"message": MESSAGE},
-                                                  CROSS_SITE),
+                    "text, call/v2, cross-site": (
+                        "/gradio_api/call/v2/classify_text",
+                        {"message": MESSAGE},
+                        CROSS_SITE,
+                    ),
                     "image, call": ("/gradio_api/call/classify_image", {"data": [image]}, {}),
                     "image, call/v2": ("/gradio_api/call/v2/classify_image", {"image": image}, {}),
                 }

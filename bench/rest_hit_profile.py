@@ -24,6 +24,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +75,11 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 
 def start_server(out_dir: Path, timer: str) -> tuple[subprocess.Popen[bytes], str]:
-    return start_app(out_dir / "data", command=("-m", "bench.rest_hit_profile", "--serve", str(out_dir)),
-                     env={"REST_HIT_PROFILE_TIMER": timer, "ADMIN_TOKEN": "bench-rest-hit-profile"})
+    return start_app(
+        out_dir / "data",
+        command=("-m", "bench.rest_hit_profile", "--serve", str(out_dir)),
+        env={"REST_HIT_PROFILE_TIMER": timer, "ADMIN_TOKEN": "bench-rest-hit-profile"},
+    )
 
 
 def report(
@@ -106,6 +111,40 @@ def report(
                   f"{calls / n:6.2f}/hit  {where}:{line} {function}")  # fmt: skip
 
 
+@contextmanager
+def profiled_server(timer: str) -> Iterator[tuple[int, str, Path]]:
+    """The profiled server, started in a temporary folder: its pid, URL and that folder."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp)
+        process, url = start_server(out_dir, timer)
+        try:
+            yield process.pid, url, out_dir
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def profile_row(
+    pid: int, out_dir: Path, stop: int, row: str, args: argparse.Namespace, send: Callable[[int], object]
+) -> None:
+    """Warm up, then `send(args.requests)` unprofiled (CPU per thread) and again under cProfile
+    (the server's `stop`th profile), and report the row."""
+    send(300)
+    before, started = thread_cpu(pid), time.perf_counter()
+    send(args.requests)
+    wall = time.perf_counter() - started
+    after = thread_cpu(pid)
+    os.kill(pid, signal.SIGUSR1)
+    time.sleep(0.2)
+    send(args.requests)
+    os.kill(pid, signal.SIGUSR2)
+    while not (out_dir / f"done-{stop}").exists():
+        time.sleep(0.05)
+    names = json.loads((out_dir / f"threads-{stop}.json").read_text())
+    report(row, args, wall, before, after, {int(k): v for k, v in names.items()},
+           pstats.Stats(str(out_dir / f"profile-{stop}.prof")))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
@@ -123,35 +162,15 @@ def main() -> None:
     from bench.triton_peer import hits, request_of
 
     photo = (Path(skimage.__file__).parent / "data" / "chelsea.png").read_bytes()
-    with tempfile.TemporaryDirectory() as tmp:
-        out_dir = Path(tmp)
-        process, url = start_server(out_dir, args.timer)
-        stops = 0
-        try:
-            client = triton.InferenceServerClient(url.removeprefix("http://"), network_timeout=60)
-            for row in args.rows.split(","):
-                task, encoding = row.split("-")
-                request = request_of(task, encoding, photo)
-                client.infer(task, request[0], outputs=request[1])  # the miss
-                hits(client, task, request, 300, ours=True)
-                before, started = thread_cpu(process.pid), time.perf_counter()
-                hits(client, task, request, args.requests, ours=True)
-                wall = time.perf_counter() - started
-                after = thread_cpu(process.pid)
-                os.kill(process.pid, signal.SIGUSR1)
-                time.sleep(0.2)
-                hits(client, task, request, args.requests, ours=True)
-                os.kill(process.pid, signal.SIGUSR2)
-                stops += 1
-                while not (out_dir / f"done-{stops}").exists():
-                    time.sleep(0.05)
-                names = json.loads((out_dir / f"threads-{stops}.json").read_text())
-                report(row, args, wall, before, after, {int(k): v for k, v in names.items()},
-                       pstats.Stats(str(out_dir / f"profile-{stops}.prof")))  # fmt: skip
-            client.close()
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
+    with profiled_server(args.timer) as (pid, url, out_dir):
+        client = triton.InferenceServerClient(url.removeprefix("http://"), network_timeout=60)
+        for stop, row in enumerate(args.rows.split(","), start=1):
+            task, encoding = row.split("-")
+            request = request_of(task, encoding, photo)
+            client.infer(task, request[0], outputs=request[1])  # the miss
+            profile_row(pid, out_dir, stop, row, args,
+                        lambda n, t=task, r=request: hits(client, t, r, n, ours=True))  # fmt: skip
+        client.close()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ Gradio for cached inputs, exactly as Gradio answers; everything else left to Gra
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,13 +17,16 @@ import httpx
 import pytest
 from gradio.server_messages import HeartbeatMessage
 from gradio_client import Client
+from sqlalchemy import select
 
 from storage.redis.embedded import free_port
+from storage.sql import RequestRow, make_engine
 from testing.gradio_http import GradioHttpClient, Reply, parse_event_stream
+from testing.raw_http import exchange
 from tests.conftest import CountingTextModel
 from ui.cached_calls import PENDING_CAPACITY, PENDING_TTL_S, CachedCalls
 from ui.call_protocol import RefusalLog
-from ui.server import BackgroundServer, build_app
+from ui.server import BackgroundServer, build_app, serve_runtime
 
 VOLATILE = {"latency_ms", "age_s"}
 
@@ -210,3 +216,72 @@ def test_a_page_on_another_site_reads_cached_answers(serve_shortcut) -> None:
     assert [f[0] if isinstance(f, tuple) else f for f in finals] == ["complete"] * 3, results
     assert [f[1][1]["tier"] for f in finals] == ["miss", "l1", "l1"]
     assert shortcut.answered == 2  # the cached calls, both routes, answered in front of Gradio
+
+
+def _call(sock: socket.socket, message: str) -> tuple[tuple[list[bytes], bytes], tuple[list[bytes], bytes]]:
+    """POST /gradio_api/call/classify_text and the GET of its stream, as raw HTTP."""
+    body = json.dumps({"data": [message]}).encode()
+    head = b"POST /gradio_api/call/classify_text HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    queued = exchange(sock, head + b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    event_id = json.loads(queued[1])["event_id"].encode()
+    stream = exchange(sock, b"GET /gradio_api/call/classify_text/%b HTTP/1.1\r\nHost: x\r\n\r\n" % event_id)
+    return queued, stream
+
+
+def _same_but_volatile(answer: tuple[list[bytes], bytes]) -> tuple[list[bytes], bytes]:
+    """An answer with what differs between two answers of one hit masked: the date, the event
+    id (and the lengths that follow from them), the latency and the age."""
+    lines, body = answer
+    lines = [line.split(b":")[0] if line.lower().startswith((b"date:", b"content-length:")) else line
+             for line in lines]  # fmt: skip
+    body = re.sub(rb'"event_id":"[0-9a-f]{32}"', b'"event_id":"-"', body)
+    body = re.sub(rb'"(latency_ms|age_s)": [0-9.e-]+', rb'"\1": 0', body)
+    return lines, re.sub(rb"\r\n[0-9a-f]+\r\n", b"\r\n-\r\n", b"\r\n" + body)
+
+
+def test_a_cached_call_is_answered_at_once_as_through_the_app(make_runtime, monkeypatch) -> None:
+    """The server's protocol asks the shortcut's answer_now for a call's POST and GET before
+    it makes a task (ui.limits, through ui.startup.ServingApp): a hit and its stream are
+    answered there, the same bytes as through the app; the hit is in the request log and the
+    metrics; a miss, and any request with an Origin, go through the app."""
+    from ui.limits import LimitedHttpToolsProtocol
+
+    runtime = make_runtime()
+    server = serve_runtime(runtime, port=free_port())
+    try:
+        shortcut = server.app._app.state.cached_calls
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            miss = _call(sock, "Where is my parcel?")
+            assert shortcut.answered == shortcut.answered_now == 0 and b'"tier": "miss"' in miss[1][1]
+            hit = _call(sock, "Where is my parcel?")
+            assert shortcut.answered == 1 and shortcut.answered_now == 2  # the POST and the GET
+        monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", False)  # each new connection
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            through_app = _call(sock, "Where is my parcel?")
+        monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", True)
+        assert shortcut.answered == 2 and shortcut.answered_now == 2
+        assert hit[0][0][0] == b"HTTP/1.1 200 OK" and b"transfer-encoding: chunked" in hit[1][0]
+        assert b'"tier": "l1"' in hit[1][1]
+        assert [_same_but_volatile(a) for a in hit] == [_same_but_volatile(a) for a in through_app]
+        with httpx.Client(
+            base_url=server.url, timeout=10, headers={"origin": "http://localhost:3000"}
+        ) as http:
+            queued = http.post("/gradio_api/call/classify_text", json={"data": ["Where is my parcel?"]})
+            stream = http.get(f"/gradio_api/call/classify_text/{queued.json()['event_id']}")
+        assert stream.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert shortcut.answered == 3 and shortcut.answered_now == 2  # CORS: through the app
+        metrics = httpx.get(server.url + "/metrics").text
+    finally:
+        server.close()
+    gradio_hits = [line for line in metrics.splitlines() if line.startswith("infcache_requests_total{")
+                   and 'route="gradio"' in line and 'tier="l1"' in line]  # fmt: skip
+    assert len(gradio_hits) == 1 and gradio_hits[0].endswith(" 3.0"), metrics
+    runtime.log_writer.flush()
+    db = make_engine(runtime.settings.effective_database_url)
+    try:
+        with db.connect() as conn:
+            rows = conn.execute(select(RequestRow.route, RequestRow.tier).order_by(RequestRow.id)).all()
+    finally:
+        db.dispose()
+    assert [tuple(row) for row in rows] == [("gradio", "miss")] + [("gradio", "l1")] * 3

@@ -29,6 +29,7 @@ from runtime import Runtime, build_runtime
 from settings import Settings
 from storage.redis.embedded import EmbeddedRedis
 from storage.sql import RequestRow, make_engine
+from testing.raw_http import exchange
 from tests.conftest import CountingTextModel, FailingModel, free_port
 from ui.server import BackgroundServer, build_app, serve_runtime
 
@@ -739,20 +740,6 @@ def test_kept_outputs_follow_a_recomputed_answer_under_the_same_key() -> None:
     assert fresh == encode_outputs(_outputs(parsed, [other]))
 
 
-def _exchange(sock: socket.socket, request: bytes) -> tuple[list[bytes], bytes]:
-    """One request on a kept-alive connection: (the head's lines, the body)."""
-    sock.sendall(request)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.split(b"\r\n")
-    length = next(int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return lines, body
-
-
 def _comparable(lines: list[bytes], body: bytes) -> tuple[list[bytes], Any]:
     """What must not differ between two answers of one hit: all but the date, the lengths, and
     the latency and age (which cache_info reports per answer; the lengths follow from them)."""
@@ -803,13 +790,13 @@ def test_a_cached_hit_is_answered_at_once_as_its_task_would(serve_standin, monke
     for kind in bodies:
         answered_now.clear()
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            miss = _exchange(sock, request(kind))
-            hit = _exchange(sock, request(kind))
+            miss = exchange(sock, request(kind))
+            hit = exchange(sock, request(kind))
         assert answered_now == [False, True], (miss, hit)  # the miss through the task, the hit at once
         assert b'"tier":"miss"' in miss[1] and b'"tier":"l1"' in hit[1]
         monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", False)  # each new connection
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            through_task = _exchange(sock, request(kind))
+            through_task = exchange(sock, request(kind))
         monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", True)
         assert answered_now == [False, True]  # not asked
         assert hit[0][0] == b"HTTP/1.1 200 OK"

@@ -299,3 +299,11 @@ def test_the_report_shows_the_ceiling_each_http_target_meets() -> None:
     slower_misses = HttpRun({**http.results, "ours-rest": _stream_result("ours-rest", 1000, 2.5, 100)},
                             http.hits, [], "half", http.task_share)  # fmt: skip
     assert "out of reach even with free hits" in report.ceiling_lines(slower_misses)[1]
+
+
+def test_http_paths_pick_the_gradio_comparison_alone() -> None:
+    assert cli.config_from_args(cli.parse_args(["--http-only"])).http_paths == config.HTTP_SYSTEMS
+    picked = cli.config_from_args(cli.parse_args(["--http-only", "--http-paths", "ours,grcache"]))
+    assert picked.http_paths == ("grcache", "ours")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--http-paths", "nothing"])

@@ -43,16 +43,19 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import get_route_path
 
+from api.repeats import CLIENT_ENTRIES, REPEAT_BODY_BYTES, REPEAT_ENTRIES, Lru
 from engine.capacity.fairness import client_id
 from engine.pipeline.service import InferenceEngine
 from ui.asgi import ASGIApp, Message, Receive, Scope, Send, read_body, replay
 from ui.call_protocol import (
     MAX_BODY_BYTES,
     NOT_FOUND,
+    SSE_CONTENT_TYPE,
     RefusalLog,
     body_part,
     error_event,
     event_stream,
+    json_answer,
     json_body,
     json_response,
     named_data,
@@ -61,6 +64,7 @@ from ui.call_protocol import (
 )
 from ui.gradio_guard import RefusedCalls
 from ui.lean_sessions import DeliveredIds
+from ui.lean_uploads import UPLOAD_PATH, LeanUploads
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,7 @@ QUEUE_DATA_PATH = "/gradio_api/queue/data"
 # Answers wait this long, at most this many, for their GET (Gradio keeps 2,000 sessions' worth).
 PENDING_CAPACITY = 2000
 PENDING_TTL_S = 300.0
+NOT_DATA = object()  # a body remembered as one Gradio would not take
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,9 @@ class CachedApi:
     input: Any
     outputs: Sequence[Any]
     raw_input: Callable[[Any], Any]
+    # The raw input when it is cheap to get on the event loop (a message; an upload of a
+    # size read in microseconds), else raising: the probe then runs in a thread.
+    raw_input_now: Callable[[Any], Any] | None = None
 
 
 class CachedCalls:
@@ -108,6 +116,12 @@ class CachedCalls:
         self._blocks = gradio_app.get_blocks()
         self._named: dict[str, Any] | None = None  # Gradio's API info per "/<api>", built on first use
         self._pending: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        # What a repeated call need not pay again (all bounded LRUs): its body's parsed data,
+        # its client's label, and the rendered label of an entry (checked against the entry's
+        # prediction: a recomputed answer is rendered anew).
+        self._bodies = Lru(REPEAT_ENTRIES)  # (api, named, content type, body) -> data or NOT_DATA
+        self._labels = Lru(REPEAT_ENTRIES)  # (api, key) -> (Prediction, rendered label as JSON)
+        self._clients = Lru(CLIENT_ENTRIES)  # address -> engine.capacity.fairness.client_id
         # Answered calls a second GET may name: the lean session holder's table when installed.
         holder_table = getattr(getattr(gradio_app, "state_holder", None), "delivered", None)
         self._delivered: DeliveredIds = holder_table if holder_table is not None else DeliveredIds()
@@ -115,7 +129,9 @@ class CachedCalls:
         # Gradio's login (auth=...) guards these routes; this app sets none, and with one every
         # request goes to Gradio.
         self.enabled = getattr(gradio_app, "auth", None) is None and gradio_app.auth_dependency is None
+        self.uploads = LeanUploads(gradio_app)  # one-file uploads (ui.lean_uploads)
         self.answered = 0  # calls answered here (for tests and the curious)
+        self.answered_now = 0  # of which by answer_now (POST and GET answered without a task)
 
     def install(self) -> None:
         """Become a middleware of the Gradio app, just inside Gradio's CORS middleware (so
@@ -146,6 +162,9 @@ class CachedCalls:
                 else:
                     await self._get(scope, receive, send, route[0])
                 return
+            if self.enabled and path == UPLOAD_PATH and method == "POST":
+                await self.uploads(scope, receive, send, self.app)
+                return
             if self.enabled and path == QUEUE_DATA_PATH and method == "GET":
                 if self._unknown_session(scope):
                     self._refused(scope, "a stream of an unknown session: 404")
@@ -162,18 +181,79 @@ class CachedCalls:
         messages, body = await read_body(receive, MAX_BODY_BYTES)
         outputs = None
         if isinstance(body, bytes) and api_name in self._apis:
-            request = json_body(scope, body)
-            data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
-            if data is not None:
-                client = client_id((scope.get("client") or ("",))[0])  # as engine.capacity.forwarding left it
-                outputs = await self._cached_outputs(self._apis[api_name], data, client)
+            api = self._apis[api_name]
+            item = self._item(api, self._data(scope, api_name, named, body))
+            if item is not NOT_DATA:
+                outputs = await self._cached_outputs(api, item, self._client(scope))
         if outputs is None:  # not ours to answer: on to the guard and Gradio, as it came
             await self.app(scope, replay(messages, receive), send)
             return
+        await json_response(200, {"event_id": self._queued(outputs)})(send)
+
+    def answer_now(self, scope: Scope, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The whole answer to a complete call request when it can be made at once, without a
+        task or the ASGI messages (the server's protocol asks, ui.limits, through
+        ui.startup.ServingApp): the POST of a call this replica's memory answers, the GET of
+        an answer waiting here. The same bytes as the app would send; the hit logged and
+        counted as any. None, with nothing done, for anything else (a request with an Origin
+        too: Gradio's CORS middleware has headers to add)."""
+        if not self.enabled or any(name == b"origin" for name, _ in scope["headers"]):
+            return None
+        path, method = scope["path"], scope["method"]
+        route = (
+            _call_route(method, path[len(CALL_PREFIX) :].split("/")) if path.startswith(CALL_PREFIX) else None
+        )
+        if route is None:
+            return None
+        if method == "GET":
+            entry = self._pending.pop(route[0], None)
+            if entry is None:
+                return None
+            self._delivered.add(route[0])
+            self.answered_now += 1
+            return 200, [SSE_CONTENT_TYPE], b"event: complete\ndata: " + entry[1] + b"\n\n"
+        api = self._apis.get(route[0])
+        if api is None or api.raw_input_now is None:
+            return None
+        item = self._item(api, self._data(scope, route[0], route[1], body))
+        result = self._from_memory(api, item, self._client(scope)) if item is not NOT_DATA else None
+        if result is None:
+            return None
+        try:
+            outputs = self._outputs(api, result)
+        except Exception:  # never a 500 for what Gradio itself can answer
+            log.exception("could not render a cached answer for %s; Gradio answers it", api.task)
+            return None
+        self.answered_now += 1
+        return json_answer(200, {"event_id": self._queued(outputs)})
+
+    def _queued(self, outputs: bytes) -> str:
+        """A new event id whose GET streams `outputs`."""
         event_id = uuid.uuid4().hex
         self._remember(event_id, outputs)
         self.answered += 1
-        await json_response(200, {"event_id": event_id})(send)
+        return event_id
+
+    def _client(self, scope: Scope) -> str:
+        address = (scope.get("client") or ("",))[0]  # as engine.capacity.forwarding left it
+        client = self._clients.get(address)
+        if client is None:
+            client = client_id(address)
+            self._clients.put(address, client)
+        return client  # type: ignore[no-any-return]
+
+    def _data(self, scope: Scope, api_name: str, named: bool, body: bytes) -> list[Any] | None:
+        """The call's inputs as Gradio's route takes them, or None; a repeated small body
+        (a client asking the same again) is parsed once."""
+        content_type = next((v for k, v in scope.get("headers") or () if k == b"content-type"), None)
+        key = (api_name, named, content_type, body)
+        data = self._bodies.get(key) if len(body) <= REPEAT_BODY_BYTES else None
+        if data is None:
+            request = json_body(scope, body)
+            data = named_data(self._endpoint(api_name), request) if named else simple_data(request)
+            if len(body) <= REPEAT_BODY_BYTES:
+                self._bodies.put(key, NOT_DATA if data is None else data)
+        return None if data is NOT_DATA else data
 
     def _endpoint(self, api_name: str) -> dict[str, Any] | None:
         """Gradio's /gradio_api/info entry of a named endpoint (its parameters), or None."""
@@ -181,32 +261,61 @@ class CachedCalls:
             self._named = self._blocks.get_api_info()["named_endpoints"]
         return self._named.get("/" + api_name)
 
-    async def _cached_outputs(self, api: CachedApi, data: list[Any], client: str) -> bytes | None:
-        if len(data) != 1:
-            return None  # Gradio ignores extra items; its answer, not ours
+    def _item(self, api: CachedApi, data: list[Any] | None) -> Any:
+        """The call's one input, or NOT_DATA where Gradio's answer is not ours to give."""
+        if data is None or len(data) != 1:
+            return NOT_DATA  # Gradio ignores extra items; its answer, not ours
         item = data[0]
         model = getattr(api.input, "data_model", None)
         if model is not None and item is not None:
             try:  # what Gradio's preprocessing checks first (Blocks.preprocess_data)
                 model.model_validate(item, context={"validate_meta": True})
             except ValidationError:
-                return None
+                return NOT_DATA
+        return item
 
-        def probe() -> Any:
-            # What Gradio's queue probe does (an L2 read or a file read may block: a thread).
-            return self._engine.classify(api.task, api.raw_input(item), probe=True, client=client)
-
-        try:
-            result = await anyio.to_thread.run_sync(probe)
-        except Exception:  # ProbeMiss, bad input, anything: Gradio's queued call handles it
+    def _from_memory(self, api: CachedApi, item: Any, client: str) -> Any:
+        """The answer when this replica's memory holds it, on the event loop (no Redis, no
+        model, no decode): the hit is logged and counted as the probe's would be. Else None."""
+        if api.raw_input_now is None:
             return None
-        values = (result.prediction.as_label_value(), result.cache_info())
         try:
-            pairs = zip(api.outputs, values, strict=True)
-            return json.dumps([_rendered(component, value) for component, value in pairs]).encode()
+            raw = api.raw_input_now(item)
+        except Exception:
+            return None
+        return self._engine.classify_from_memory(api.task, raw, route="gradio", client=client)
+
+    async def _cached_outputs(self, api: CachedApi, item: Any, client: str) -> bytes | None:
+        result = self._from_memory(api, item, client)
+        if result is None:
+
+            def probe() -> Any:
+                # What Gradio's queue probe does (an L2 read or a file read may block: a thread).
+                return self._engine.classify(api.task, api.raw_input(item), probe=True, client=client)
+
+            try:
+                result = await anyio.to_thread.run_sync(probe)
+            except Exception:  # ProbeMiss, bad input, anything: Gradio's queued call handles it
+                return None
+        try:
+            return self._outputs(api, result)
         except Exception:  # never a 500 for what Gradio itself can answer
             log.exception("could not render a cached answer for %s; Gradio answers it", api.task)
             return None
+
+    def _outputs(self, api: CachedApi, result: Any) -> bytes:
+        """The event's outputs as Gradio renders them: json.dumps of the rendered label and
+        cache_info, the label kept rendered per entry."""
+        label_output, info_output = api.outputs  # classify events have these two
+        kept = self._labels.get((api.task, result.key))
+        if kept is None or (kept[0] is not result.prediction and kept[0] != result.prediction):
+            kept = (
+                result.prediction,
+                json.dumps(_rendered(label_output, result.prediction.as_label_value())),
+            )
+            self._labels.put((api.task, result.key), kept)
+        # json.dumps of a two-item list is its items' dumps joined by ", ".
+        return f"[{kept[1]}, {json.dumps(_rendered(info_output, result.cache_info()))}]".encode()
 
     def _remember(self, event_id: str, outputs: bytes) -> None:
         now = self._clock()

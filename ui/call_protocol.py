@@ -114,22 +114,33 @@ def named_data(endpoint: dict[str, Any] | None, request: Any) -> list[Any] | Non
 # ---- responses -----------------------------------------------------------------------
 
 
+SSE_CONTENT_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+
+
 def sse_start() -> Message:
     # A new headers list each time: Gradio's CORS middleware adds to it in place.
-    return {"type": "http.response.start", "status": 200,
-            "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}  # fmt: skip
+    return {"type": "http.response.start", "status": 200, "headers": [SSE_CONTENT_TYPE]}
 
 
 def body_part(chunk: bytes, *, more: bool = True) -> Message:
     return {"type": "http.response.body", "body": chunk, "more_body": more}
 
 
-def json_response(status: int, content: Any) -> Responder:
-    """A JSON response as Starlette's JSONResponse writes it (compact)."""
+def json_answer(status: int, content: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """A JSON response as Starlette's JSONResponse writes it (compact): status, headers, body."""
     payload = json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+    return (
+        status,
+        [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")],
+        payload,
+    )
+
+
+def json_response(status: int, content: Any) -> Responder:
+    """json_answer as an ASGI response."""
+    status, headers, payload = json_answer(status, content)
 
     async def respond(send: Send) -> None:
-        headers = [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send(body_part(payload, more=False))
 

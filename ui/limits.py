@@ -50,8 +50,11 @@ ADMIN_ENTRY_PATHS = ("/admin/api/inspect", "/admin/api/evict")
 # send and one TCP segment instead of two (a cached REST hit's answer is ~0.5 KB).
 ONE_WRITE_BYTES = 64 * 1024
 # A request with a declared body up to this size, whose app offers `answer_now`, gets its task
-# only once its body is complete, and none when `answer_now` answers it (see answer_at_once).
+# only once its body is complete, and none when `answer_now` answers it (see answer_at_once):
+# a REST infer POST, a Gradio call's POST and the GET of its result stream.
 ANSWER_AT_ONCE_BYTES = 4 * 1024
+GRADIO_CALL_PREFIX = b"/gradio_api/call/"
+AT_ONCE_POST_PREFIXES = (b"/v2/", GRADIO_CALL_PREFIX)
 
 
 # ---- the request head --------------------------------------------------------------
@@ -149,16 +152,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.cycle.__class__ = _OneWriteCycle
 
     # ---- a complete small request answered at once ----------------------------------------
-    # A cached REST hit costs the server less than uvicorn's task, ASGI messages and the app's
-    # routing: for a POST with a small declared body the task waits for the body (in the same
-    # read, from any real client), then the app's `answer_now` is asked; its answer is written
-    # as uvicorn would write it, and the task never made. Otherwise the task starts with the
-    # whole body waiting for it, and the request is served as any other.
+    # A cached hit costs the server less than uvicorn's task, ASGI messages and the app's
+    # routing: for a POST with a small declared body (or a GET of a call's result) the task
+    # waits for the body (in the same read, from any real client), then the app's `answer_now`
+    # is asked; its answer is written as uvicorn would write it (an answer without a
+    # Content-Length chunked, as uvicorn sends a stream), and the task never made. Otherwise
+    # the task starts with the whole body waiting for it, and the request is served as any other.
 
     def _may_answer_at_once(self) -> bool:
-        if self.expect_100_continue or not self.url.startswith(b"/v2/"):
+        # A REST infer POST; a Gradio call's POST, or the GET of its result stream (no body).
+        if self.expect_100_continue or self.flow.write_paused:  # not reading its answers
             return False
-        if self.parser.get_method() != b"POST" or self.flow.write_paused:  # not reading its answers
+        method, url = self.parser.get_method(), self.url
+        if method == b"GET":
+            if not url.startswith(GRADIO_CALL_PREFIX):
+                return False
+        elif method != b"POST" or not url.startswith(AT_ONCE_POST_PREFIXES):
             return False
         declared = None
         for name, value in self.headers:
@@ -168,6 +177,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 declared = int(value)
             elif name == b"transfer-encoding":
                 return False
+        if method == b"GET":
+            return not declared
         return declared is not None and declared <= ANSWER_AT_ONCE_BYTES
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
@@ -206,10 +217,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], path,
                                     scope["http_version"], status)  # fmt: skip
         content = [STATUS_LINE[status], _default_head(self.server_state.default_headers)]
+        chunked = True  # an answer without a length is a stream: sent chunked, in one chunk
         for name, value in headers:
             content.extend((name, b": ", value, b"\r\n"))
+            chunked = chunked and name != b"content-length"
         if not cycle.keep_alive:
             content.append(b"connection: close\r\n")
+        if chunked:
+            content.append(b"transfer-encoding: chunked\r\n")
+            body = (b"%x\r\n%b\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
         content.extend((b"\r\n", body))
         cycle.response_started = cycle.response_complete = True
         cycle.body = bytearray()

@@ -38,6 +38,7 @@ from ui.gradio_guard import GradioGuard, RefusedCalls
 from ui.lean_sessions import SweepTimer, install_lean_sessions
 from ui.limits import HeaderLimits, limited_http_protocol
 from ui.queue_shares import QueueShares
+from ui.queue_wake import WokenQueue
 from ui.startup import Runtime, ServingApp
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 QUEUE_MAX_SIZE = 256
 DEFAULT_HEADERS = HeaderLimits()  # the settings' defaults, for servers built without settings
 GRACEFUL_SHUTDOWN_S = 5
+ON_LOOP_UPLOAD_BYTES = 1024 * 1024  # a cached call's upload up to this size is read on the event loop
 
 
 def build_app(runtime: Runtime) -> FastAPI:
@@ -113,6 +115,7 @@ def build_app(runtime: Runtime) -> FastAPI:
     app.router.add_event_handler("startup", sweeps.start)
     app.router.add_event_handler("shutdown", sweeps.stop)
     QueueShares(demo._queue, holder).install()  # one address cannot fill the queue for the others
+    WokenQueue(demo._queue).install()  # Gradio's queue loop woken by work, not polling every 1 ms
     # Cached answers of the two-step HTTP API skip Gradio's routing and queue (see ui.cached_calls):
     # a middleware of the Gradio app just inside its CORS middleware, in front of the guard.
     apis = _cached_call_apis(demo, engine, settings.limits.max_upload_bytes)
@@ -130,19 +133,36 @@ def _cached_call_apis(demo: gr.Blocks, engine: Any, max_upload_bytes: int) -> di
             raise TypeError("not a message")
         return item
 
-    def upload(item: Any) -> bytes:
+    def uploaded(item: Any) -> Path:
         path = item.get("path") if isinstance(item, dict) else None
         if not isinstance(path, str) or path not in demo.upload_file_set:
             raise PermissionError("not a file this app received through its upload route")
-        return read_upload(Path(path), max_upload_bytes)
+        return Path(path)
+
+    def upload(item: Any) -> bytes:
+        return read_upload(uploaded(item), max_upload_bytes)
+
+    def small_upload(item: Any) -> bytes:
+        # A photo of a few hundred KB is read (and hashed) in tens of microseconds, less than
+        # a thread's round trip; a larger file is read in the probe's thread.
+        path = uploaded(item)
+        if path.stat().st_size > ON_LOOP_UPLOAD_BYTES:
+            raise ValueError("read in a thread")
+        return read_upload(path, max_upload_bytes)
 
     apis = {}
     for fn in demo.fns.values():
         task = (fn.api_name or "").removeprefix("classify_")
         model = engine.models.get(task)
-        if model is not None and fn.api_name == f"classify_{task}" and len(fn.inputs) == 1:
-            raw_input = upload if takes_image(model) else text
-            apis[fn.api_name] = CachedApi(task, fn.inputs[0], list(fn.outputs), raw_input)
+        if (
+            model is not None
+            and fn.api_name == f"classify_{task}"
+            and len(fn.inputs) == 1
+            and len(fn.outputs) == 2
+        ):
+            image = takes_image(model)
+            apis[fn.api_name] = CachedApi(task, fn.inputs[0], list(fn.outputs), upload if image else text,
+                                          raw_input_now=small_upload if image else text)  # fmt: skip
     return apis
 
 

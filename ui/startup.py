@@ -7,10 +7,11 @@ notice that reloads itself. Once everything is up (and Redis has answered, or
 `READY_L2_WAIT_S` has passed) every request goes to the app.
 
 It also routes: the app's direct routes (`app.state.direct_routes`: the REST infer
-calls) are called before any routing or middleware, API paths go to the FastAPI app,
-everything else straight to the Gradio app mounted in it, so a Gradio call does not
-first walk the API routes. Every request but the direct routes' (which bound their own)
-passes its route's body limit first (ui.limits.BodyLimits).
+calls) are called before any routing or middleware, and asked (with the cached Gradio
+calls, `app.state.cached_calls`) for an answer made at once by the server's protocol;
+API paths go to the FastAPI app, everything else straight to the Gradio app mounted in
+it, so a Gradio call does not first walk the API routes. Every request but the direct
+routes' (which bound their own) passes its route's body limit first (ui.limits.BodyLimits).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 # Paths served by the FastAPI routes (admin, health, metrics, REST); the rest is Gradio's.
 API_PREFIXES = ("/v2", "/admin/api", "/healthz", "/readyz", "/metrics", "/docs", "/redoc", "/openapi.json")
 ALIVE_PATHS = ("/healthz", "/v2/health/live")
+GRADIO_CALL_PREFIX = "/gradio_api/call/"
 RETRY_AFTER_S = "2"
 
 LOADING_PAGE = """<!doctype html>
@@ -105,6 +107,9 @@ class DirectRoute(Protocol):
         else None with nothing done: the request then goes through `__call__`."""
 
 
+AnswerNow = Callable[[Scope, bytes], "tuple[int, list[tuple[bytes, bytes]], bytes] | None"]
+
+
 class ServingApp:
     """The ASGI app: a start-up gate in front of the app that `build_app(runtime)` makes."""
 
@@ -125,6 +130,7 @@ class ServingApp:
         self._app: FastAPI | None = None
         self._gradio: Any = None  # the mounted Gradio app, reached without the API routes
         self._direct: tuple[DirectRoute, ...] = ()
+        self._gradio_now: AnswerNow | None = None  # the cached Gradio calls' answer_now
         self._forwarding: Forwarding | None = None
         self._starting: asyncio.Task[None] | None = None
         self._stack = AsyncExitStack()
@@ -176,6 +182,10 @@ class ServingApp:
             if params is not None:
                 scope["path_params"] = params
                 return route.answer_now(scope, body)
+        if self._gradio_now is not None and scope["path"].startswith(GRADIO_CALL_PREFIX):
+            if len(body) > self._body_limits.gradio:
+                return None  # the route's 413 (BodyLimits)
+            return self._gradio_now(scope, body)  # a cached Gradio call (ui.cached_calls)
         return None
 
     # ---- start and stop -------------------------------------------------------
@@ -207,6 +217,7 @@ class ServingApp:
                 await asyncio.to_thread(runtime.wait_for_l2, self._settings.server.ready_l2_wait_s)
             self._gradio = next((r.app for r in app.routes if isinstance(r, Mount) and r.path == ""), None)
             self._direct = tuple(getattr(app.state, "direct_routes", ()))
+            self._gradio_now = getattr(getattr(app.state, "cached_calls", None), "answer_now", None)
             self._forwarding = getattr(runtime, "forwarding", None)  # a stand-in runtime may have none
             self._app = app
             record("ready", process_age_s())
@@ -226,7 +237,7 @@ class ServingApp:
     async def _stop(self) -> None:
         if self._starting is not None and not self._starting.done():
             await asyncio.shield(self._starting)  # a half-built runtime is closed, not abandoned
-        self._app = self._gradio = None
+        self._app = self._gradio = self._gradio_now = None
         self._direct = ()
         await self._stack.aclose()
 

@@ -24,6 +24,7 @@ from bench.workload.config import (
     FULL_REQUESTS,
     HIT_SAMPLES,
     HTTP_SESSIONS,
+    HTTP_SYSTEMS,
     IMAGES,
     MESSAGES,
     MISS_INPUTS,
@@ -142,6 +143,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--http-requests", type=int, default=None, help="the HTTP stream's length")
     parser.add_argument(
+        "--http-paths",
+        default=None,
+        help=f"comma-separated subset of {','.join(HTTP_SYSTEMS)} (default: all); e.g. grcache,ours "
+        "for the Gradio comparison alone",
+    )
+    parser.add_argument(
         "--http-sessions",
         choices=HTTP_SESSIONS,
         default="mixed",
@@ -215,6 +222,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--requests must be >= 2")
     if args.http_requests is not None and args.http_requests < 2:
         parser.error("--http-requests must be >= 2")
+    if args.http_paths is not None:
+        args.http_paths = tuple(p for p in HTTP_SYSTEMS if p in args.http_paths.split(","))
+        if not args.http_paths:
+            parser.error(f"--http-paths takes some of {','.join(HTTP_SYSTEMS)}")
     if args.no_http and (args.http or args.http_only or args.http_no_session):
         parser.error("--no-http contradicts --http, --http-only and --http-no-session")
     return args
@@ -246,6 +257,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         rss_calls=QUICK_RSS_CALLS if args.quick else RSS_CALLS,
         miss_inputs=miss_inputs,
         inputs_cache=None if args.no_inputs_cache else args.inputs_cache,
+        http_only_paths=args.http_paths,
     )
 
 

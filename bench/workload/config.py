@@ -101,11 +101,13 @@ class Config:
     hit_samples: int = HIT_SAMPLES
     rss_calls: int = RSS_CALLS
     inputs_cache: Path | None = None  # where generated inputs are kept between runs (None: nowhere)
+    http_only_paths: tuple[str, ...] | None = None  # a subset of HTTP_PATHS (None: every one)
 
     @property
     def http_paths(self) -> tuple[str, ...]:
-        """The HTTP paths whose app is among the systems."""
-        return tuple(path for path, (app, _) in HTTP_PATHS.items() if app in self.systems)
+        """The HTTP paths whose app is among the systems (and among `http_only_paths`)."""
+        chosen = HTTP_PATHS if self.http_only_paths is None else self.http_only_paths
+        return tuple(path for path, (app, _) in HTTP_PATHS.items() if app in self.systems and path in chosen)
 
 
 def models_of(system: str) -> str:
