@@ -39,12 +39,12 @@ from engine.models.base import Classifier
 from engine.models.config import ModelConfigError, ModelSpec
 from engine.models.loader import LoadOptions, build_model
 from engine.models.onnx_backend import export_path, probe_digest, write_atomically
+from engine.models.remote_client import version_folder
 from runtime import load_options, model_specs
 from settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
-VERSION_DIR = "1"  # Triton's model version folder (the app's version is in the parameters)
 DEFAULT_MAX_BATCH = 32
 QUEUE_DELAY_US = 2000
 PARAMETERS = ("cache_model_version", "cache_probe", "cache_export_state")
@@ -200,7 +200,8 @@ def write_model(repository: Path, model: ExportedModel) -> Path:
     target = repository / model.task
     staging = Path(tempfile.mkdtemp(prefix=f".{model.task}.new-", dir=repository))
     try:
-        write_atomically(staging / VERSION_DIR / "model.onnx", model.graph)
+        # The version folder is a digest of the app's version: calls pin it (a swapped model refuses them).
+        write_atomically(staging / version_folder(model.model_version) / "model.onnx", model.graph)
         write_atomically(staging / "config.pbtxt", model.config_text().encode())
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server run as another user
         old = repository / f".{model.task}.old-{os.getpid()}"

@@ -70,6 +70,7 @@ class ServedModel:
     max_batch_size: int  # 0: no batching
     queue_delay_us: int
     graph: Path
+    version: int = 1  # its version folder's number, the Triton model version calls may pin
 
 
 def read_model(folder: Path) -> ServedModel:
@@ -102,7 +103,8 @@ def read_model(folder: Path) -> ServedModel:
         return tuple(found)
 
     return ServedModel(
-        name=folder.name, graph=versions[-1][1] / "model.onnx", max_batch_size=config.max_batch_size,
+        name=folder.name, graph=versions[-1][1] / "model.onnx", version=versions[-1][0],
+        max_batch_size=config.max_batch_size,
         queue_delay_us=config.dynamic_batching.max_queue_delay_microseconds,
         inputs=tensors(config.input), outputs=tensors(config.output),
         parameters={key: value.string_value for key, value in config.parameters.items()},
@@ -208,6 +210,7 @@ def bind_all(triton: Any, models: list[ServedModel], behaviour: Behaviour, threa
         batching = model.max_batch_size > 0
         triton.bind(
             model_name=model.name,
+            model_version=model.version,
             infer_func=make_infer(model, session_of(model.graph, threads), behaviour),
             inputs=[TritonTensor(name=t.name, dtype=t.dtype, shape=t.dims) for t in model.inputs],
             outputs=[TritonTensor(name=t.name, dtype=t.dtype, shape=t.dims) for t in model.outputs],

@@ -24,6 +24,7 @@ import pytest
 
 from engine.errors import RemoteUnavailableError
 from engine.inputs import CanonicalImage
+from engine.models.remote_client import version_folder
 from runtime import Runtime, build_runtime, load_models
 from settings import Settings
 from storage.redis.embedded import EmbeddedRedis
@@ -268,8 +269,7 @@ def test_killed_and_restarted_with_a_new_model(
     _refused_engine(late)
 
     # A new model on the server: another cache_model_version (its probe answers and state with it).
-    config = triton.repository / "text" / "config.pbtxt"
-    config.write_text(config.read_text().replace(local_version, NEW_VERSION))
+    _swap(triton.repository / "text", local_version, NEW_VERSION)
     triton.start()
     down_message = "a new message while the server is down"
     wait_until(lambda: _served(url, down_message), 30, what="service after the restart")  # by itself
@@ -279,6 +279,31 @@ def test_killed_and_restarted_with_a_new_model(
     assert model.version == NEW_VERSION and triton.calls()["text"] > 0
     wait_until(lambda: late.remote_state()["usable"], 30, what="the late replica's remote")
     assert late.version == NEW_VERSION
+
+    # Swapped back quietly (killed and started with no call between: this replica saw no failure).
+    # Calls pin the Triton version (the digest folder), so the server refuses them rather than
+    # answer from the other model under this key space; a check then moves to the served version.
+    _swap(triton.repository / "text", NEW_VERSION, local_version)
+    triton.kill()
+    triton.start()
+    deadline = time.monotonic() + 30
+    while True:
+        response = _infer(url, "asked right after a quiet swap")
+        assert response.status_code in (200, 503), response.text
+        if response.status_code == 200:
+            assert parse_answer(response.json()).cache_info["model_version"] == local_version
+            break
+        assert time.monotonic() < deadline, "no service after the quiet swap"
+        time.sleep(0.2)
+    assert model.version == local_version
+
+
+def _swap(folder: Path, old: str, new: str) -> None:
+    """Give the served model another app version, as `make triton-repository` would write it: the
+    config's cache_model_version and the version folder (a digest of it)."""
+    config = folder / "config.pbtxt"
+    config.write_text(config.read_text().replace(old, new))
+    (folder / version_folder(old)).rename(folder / version_folder(new))
 
 
 def _refused_engine(model: Any) -> None:

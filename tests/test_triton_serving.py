@@ -30,6 +30,7 @@ from tritonclient.grpc import model_config_pb2
 from engine.models.base import Prediction
 from engine.models.config import DEFAULT_SPECS
 from engine.models.onnx_backend import OnnxForward, compare, export_path, probe_digest
+from engine.models.remote_client import version_folder
 from runtime import load_options
 from serving.repository import PARAMETERS, ExportedModel, graph_io, main, write_model, write_repository
 from settings import Settings
@@ -72,9 +73,9 @@ def server(repository: tuple[Path, list[ExportedModel]]) -> Iterator[TritonRepos
 @pytest.fixture(scope="module")
 def local_passes(repository: tuple[Path, list[ExportedModel]]) -> dict[str, OnnxForward]:
     """ONNX Runtime sessions of the repository's graphs, in this process (the reference)."""
-    return {
-        m.task: OnnxForward(repository[0] / m.task / "1" / "model.onnx", threads=1) for m in repository[1]
-    }
+    folder = repository[0]
+    return {m.task: OnnxForward(folder / m.task / version_folder(m.model_version) / "model.onnx", threads=1)
+            for m in repository[1]}  # fmt: skip
 
 
 def parsed_config(folder: Path) -> Any:
@@ -103,7 +104,7 @@ def test_the_repository_holds_the_exported_graph_and_the_app_s_versions(
         assert probe["tag"] == probe_digest(model.probe_inputs()) and len(probe["answers"]) >= 3
         assert json.loads(parameters["cache_export_state"]) == model.export_state()
         # The graph is the ONNX Runtime backend's own export, byte for byte, and the config names its I/O.
-        graph = (folder / exported.task / "1" / "model.onnx").read_bytes()
+        graph = (folder / exported.task / version_folder(model.version) / "model.onnx").read_bytes()
         assert graph == export_path(base_settings.export_dir, model.name, model.version).read_bytes()
         inputs, outputs, metadata = graph_io(graph)
         assert metadata["model_version"] == model.version and metadata["probe"] == parameters["cache_probe"]
@@ -128,7 +129,10 @@ def test_writing_again_replaces_a_model_folder_cleanly(
     (tmp_path / "other").mkdir()  # another model: not ours to touch
     write_model(tmp_path, dataclasses.replace(image, model_version="0123456789abcdef"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["image", "other"]  # no staging or old folder left
-    assert sorted(p.name for p in (tmp_path / "image").iterdir()) == ["1", "config.pbtxt"]
+    # One version folder, the digest of the new version (calls pin it: the old number is gone).
+    assert sorted(p.name for p in (tmp_path / "image").iterdir()) == sorted(
+        [version_folder("0123456789abcdef"), "config.pbtxt"]
+    )
     assert (
         parsed_config(tmp_path / "image").parameters["cache_model_version"].string_value == "0123456789abcdef"
     )
@@ -182,6 +186,10 @@ def test_the_server_s_config_carries_the_app_s_versions(
                     model.probe_inputs()
                 )
             assert http.get_model_config(task)["max_batch_size"] == 32
+            # The Triton version is the digest folder the remote backend pins in its calls.
+            served = version_folder(model.version)
+            assert http.get_model_metadata(task)["versions"] == [served]
+            assert grpc.get_model_metadata(task, as_json=True)["versions"] == [served]
     finally:
         http.close()
         grpc.close()

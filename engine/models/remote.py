@@ -121,7 +121,8 @@ class RemoteForward:
                 with self._lock:
                     self.counts["calls"] += 1
                     self.counts["rows"] += len(next(iter(chunk.values())))
-                parts.append(_checked(self._client.infer(chunk, served.output.name), chunk, served.output))
+                parts.append(_checked(self._client.infer(chunk, served.output.name, served.pinned), chunk,
+                                           served.output))  # fmt: skip
         except RemoteCallError as exc:
             raise self._failed("down", str(exc), checking) from None
         except _Garbage as exc:

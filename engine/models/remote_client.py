@@ -5,6 +5,7 @@ at most the call's timeout (the client's own timeouts free the worker soon after
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -20,6 +21,15 @@ log = logging.getLogger(__name__)
 # The Triton config's data types that the exported graphs use, as numpy and as the wire names them.
 DTYPES = {"TYPE_FP32": (np.float32, "FP32"), "TYPE_INT64": (np.int64, "INT64"),
           "TYPE_INT32": (np.int32, "INT32"), "TYPE_FP16": (np.float16, "FP16")}  # fmt: skip
+
+
+def version_folder(model_version: str) -> str:
+    """The Triton model version (its numbered folder) that `make triton-repository` gives this
+    app's model version: a digest of it, so another model is always another number. Calls pin it
+    (engine.models.remote): a server whose model was swapped refuses them, never answering from
+    the new model under the old one's keys, even between two checks or during a pass."""
+    digest = hashlib.sha256(model_version.encode()).digest()
+    return str(int.from_bytes(digest[:6], "big") + 1)  # 1 .. 2**48: an int64 and exact in JSON
 
 
 class RemoteCallError(Exception):
@@ -43,9 +53,21 @@ class ServedConfig:
     version: str | None  # cache_model_version
     probe: str | None  # cache_probe: {"tag": ..., "answers": [...]}
     export_state: dict[str, str]  # cache_export_state, e.g. the text model's centroids
+    served_versions: tuple[str, ...] = ()  # the Triton version numbers the server has loaded
+
+    @property
+    def pinned(self) -> str | None:
+        """The Triton version each call names: the one `version_folder` gives this model version
+        when the server has it (a repository this app wrote), else the newest it serves (a
+        repository written by hand: a model swapped within that number goes unseen until the next
+        check), None when the server lists none."""
+        if self.version and version_folder(self.version) in self.served_versions:
+            return version_folder(self.version)
+        numbers = [v for v in self.served_versions if v.isdigit()]
+        return max(numbers, key=int) if numbers else None
 
     @classmethod
-    def parse(cls, config: dict[str, Any]) -> ServedConfig:
+    def parse(cls, config: dict[str, Any], served_versions: tuple[str, ...] = ()) -> ServedConfig:
         """From the model configuration as JSON (HTTP's, or gRPC's with int64 values as strings)."""
         def tensor(doc: dict[str, Any]) -> TensorSpec:
             dtype = str(doc.get("data_type", ""))
@@ -64,7 +86,7 @@ class ServedConfig:
         return cls(inputs=tuple(tensor(i) for i in config.get("input") or ()), output=outputs[0],
                    max_batch=int(config.get("max_batch_size") or 0),
                    version=params.get("cache_model_version"), probe=params.get("cache_probe"),
-                   export_state=state)  # fmt: skip
+                   export_state=state, served_versions=served_versions)  # fmt: skip
 
 
 class RemoteClient:
@@ -126,17 +148,21 @@ class RemoteClient:
             if self._grpc:
                 answer = client.get_model_config(self.model, as_json=True, client_timeout=self.deadline_s)
                 doc = answer["config"]
+                metadata = client.get_model_metadata(self.model, as_json=True, client_timeout=self.deadline_s)
             else:
                 doc = client.get_model_config(self.model)
+                metadata = client.get_model_metadata(self.model)
             try:
-                return ServedConfig.parse(doc)
+                versions = tuple(str(v) for v in (metadata or {}).get("versions") or ())
+                return ServedConfig.parse(doc, versions)
             except (ValueError, KeyError, TypeError) as exc:
                 raise RemoteCallError(f"the model config of {self.model!r} is not usable: {exc}") from None
 
         return self._call(work, "reading the model config")  # type: ignore[no-any-return]
 
-    def infer(self, arrays: dict[str, np.ndarray], output: str) -> np.ndarray:
-        """One call with these inputs (batch axis first), binary tensor data both ways."""
+    def infer(self, arrays: dict[str, np.ndarray], output: str, version: str | None = None) -> np.ndarray:
+        """One call with these inputs (batch axis first), binary tensor data both ways; `version`:
+        the Triton model version it must reach (the server refuses the call without it)."""
         def work() -> np.ndarray:
             client = self._connected()
             if self._grpc:
@@ -153,10 +179,11 @@ class RemoteClient:
                 inputs.append(wire)
             if self._grpc:
                 wanted = [module.InferRequestedOutput(output)]
-                result = client.infer(self.model, inputs, outputs=wanted, client_timeout=self.deadline_s)
+                result = client.infer(self.model, inputs, model_version=version or "", outputs=wanted,
+                                      client_timeout=self.deadline_s)  # fmt: skip
             else:
                 wanted = [module.InferRequestedOutput(output, binary_data=True)]
-                result = client.infer(self.model, inputs, outputs=wanted)
+                result = client.infer(self.model, inputs, model_version=version or "", outputs=wanted)
             answer = result.as_numpy(output)
             if answer is None:
                 raise RemoteCallError(f"the answer has no output {output!r}")
