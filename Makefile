@@ -69,12 +69,12 @@ triton-repository: $(STAMP)
 	$(PY) -m serving.repository "$(DIR)"
 
 # A real tritonserver (nvidia-pytriton's, CPU) serving that repository: HTTP on PORT, gRPC on
-# PORT+1, metrics on PORT+2, on every interface, until Ctrl-C. The first run makes .venv-triton.
-PORT ?= 8000
+# PORT+1, metrics on PORT+2 (PORT: 8000 unless given), on every interface, until Ctrl-C. The first
+# run makes .venv-triton.
 triton-serve:
 	@test -n "$(DIR)" || { echo "usage: make triton-serve DIR=<folder> [PORT=8000]" >&2; exit 2; }
-	@python=$$(scripts/triton_venv.sh | tail -n 1) && \
-	exec "$$python" serving/triton_serve.py --repository "$(DIR)" --http-port $(PORT) --address 0.0.0.0
+	@set -o pipefail; python=$$(scripts/triton_venv.sh | tail -n 1) && \
+	exec "$$python" serving/triton_serve.py --repository "$(DIR)" --http-port $(or $(PORT),8000) --address 0.0.0.0
 
 clean:
 	rm -rf $(VENV) .venv-triton .pytest_cache .ruff_cache test-artifacts

@@ -31,10 +31,11 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.models.base import Classifier
 from engine.models.config import ModelConfigError, ModelSpec
 from engine.models.loader import LoadOptions, build_model
 from engine.models.onnx_backend import export_path, probe_digest, write_atomically
@@ -140,14 +141,18 @@ def export_options(options: LoadOptions) -> LoadOptions:
     return dataclasses.replace(options, device="cpu", backend="onnxruntime")
 
 
-def export_model(spec: ModelSpec, options: LoadOptions, *, fresh: bool = False) -> ExportedModel:
-    """Load one served model as the app does, on ONNX Runtime, and take its exported graph."""
-    # backend/device replaced: an entry served remotely (or on CUDA) is exported from its source.
-    local = dataclasses.replace(spec, device="cpu", backend="onnxruntime")
-    model = build_model(local, options)
+def export_model(spec: ModelSpec, options: LoadOptions, *, loaded: Classifier | None = None,
+                 fresh: bool = False) -> ExportedModel:  # fmt: skip
+    """Load one served model as the app does, on ONNX Runtime, and take its exported graph.
+    `loaded`: the same model already loaded that way (with these options), used if it is."""
+    assert options.export_dir is not None
+    if loaded is not None and _served_from_export(loaded, options.export_dir):
+        model = loaded
+    else:
+        # backend/device replaced: an entry served remotely (or on CUDA) is exported from its source.
+        model = build_model(dataclasses.replace(spec, device="cpu", backend="onnxruntime"), options)
     if model.backend != "onnxruntime":
         raise RepositoryError(f"{spec.label()}: the ONNX Runtime backend refused it: {model.backend_reason}")
-    assert options.export_dir is not None
     graph = export_path(options.export_dir, model.name, model.version).read_bytes()
     inputs, outputs, metadata = graph_io(graph)
     if metadata.get("model_version") != model.version:
@@ -166,6 +171,11 @@ def export_model(spec: ModelSpec, options: LoadOptions, *, fresh: bool = False) 
         max_batch_size=getattr(model, "max_batch", None) or DEFAULT_MAX_BATCH,
         inputs=inputs, outputs=outputs,
     )  # fmt: skip
+
+
+def _served_from_export(model: Any, export_dir: Path) -> bool:
+    return (getattr(model, "backend", None) == "onnxruntime" and getattr(model, "device", None) == "cpu"
+            and export_path(export_dir, model.name, model.version).is_file())  # fmt: skip
 
 
 def _probe_tag(raw: str | None) -> str | None:
@@ -203,14 +213,15 @@ def write_model(repository: Path, model: ExportedModel) -> Path:
     return target
 
 
-def write_repository(
-    repository: Path, specs: Sequence[ModelSpec], options: LoadOptions
-) -> list[ExportedModel]:
-    """Every served task's folder (export first, then write: a failing model writes nothing)."""
+def write_repository(repository: Path, specs: Sequence[ModelSpec], options: LoadOptions, *,
+                     loaded: Mapping[str, Classifier] | None = None) -> list[ExportedModel]:  # fmt: skip
+    """Every served task's folder (export first, then write: a failing model writes nothing).
+    `loaded`: models already loaded by the app's loader with these options, by task (reused)."""
     options = export_options(options)
     if options.export_dir is None:
         raise RepositoryError("no ONNX export dir (ONNX_EXPORT_DIR or DATA_DIR/onnx)")
-    models = [export_model(spec, options) for spec in specs]
+    loaded = loaded or {}
+    models = [export_model(spec, options, loaded=loaded.get(spec.task)) for spec in specs]
     for model in models:
         folder = write_model(repository, model)
         log.info("%s: version %s, a %d MB graph, inputs %s", folder, model.model_version,

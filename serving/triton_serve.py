@@ -61,13 +61,15 @@ class Tensor:
 
 @dataclass(frozen=True)
 class ServedModel:
+    """One model folder as served: its config's I/O, batching and parameters, its graph."""
+
     name: str
-    graph: Path
-    max_batch_size: int
-    queue_delay_us: int
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
-    parameters: dict[str, str]
+    parameters: dict[str, str]  # config.pbtxt's, returned by /v2/models/<name>/config
+    max_batch_size: int  # 0: no batching
+    queue_delay_us: int
+    graph: Path
 
 
 def read_model(folder: Path) -> ServedModel:

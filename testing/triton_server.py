@@ -10,12 +10,13 @@ its `{"ready": true}` line and speaks their JSON-line protocol (serving/triton_c
         server.calls()                              # {"text": rows that reached the callable, ...}
         server.batches()                            # {"text": callable invocations (batches), ...}
         server.kill(); server.start()               # killed (SIGKILL), started again on the same ports
+        server.stop()                               # a clean stop (SIGTERM): its exit status
         server.set_delay(0.5)                       # each batch sleeps first
         server.set_garbage("nan")                   # "nan" | "shape" | None: what the callable answers
 
-Free loopback ports, a temp dir (PyTriton's workspace, the server's log), everything stopped
-and removed on exit. A venv that cannot be made or a server that does not start raises
-TritonSetupError with the script's message or the server log's tail.
+Free loopback ports, a temp dir (PyTriton's workspace, the server's log), everything killed
+and removed on exit (shared memory included). A venv that cannot be made or a server that does
+not start raises TritonSetupError with the script's message or the server log's tail.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
+
+import psutil
 
 from storage.redis.embedded import free_port
 
@@ -69,6 +72,7 @@ class TritonProcess:
         self.log_path = log_path
         self._log = log_path.open("a")
         self._lock = threading.Lock()
+        self.left_behind: set[Path] = set()
         # Its own session: kill() reaches tritonserver and its stubs, not only PyTriton's process.
         self.process = subprocess.Popen(
             [str(python), str(script), *args], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -110,20 +114,50 @@ class TritonProcess:
         return answer
 
     def log_tail(self, lines: int = 25) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def running(self) -> bool:
         return self.process.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL to the whole process group (a crash, not a stop)."""
+        """SIGKILL to the whole process group (a crash, not a stop), then the shared memory its
+        processes had mapped is removed: PyTriton's and the Python backend's segments in /dev/shm
+        outlive a killed process (a clean stop removes them)."""
+        self._end(self.shared_memory(), self._members())
+
+    def _end(self, segments: set[Path], members: list[psutil.Process]) -> None:
         try:  # the group even when its leader is gone: tritonserver may outlive PyTriton's process
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.process.wait(timeout=30)
+        psutil.wait_procs(members, timeout=30)  # gone, their ports free, before a start on them
+        for path in segments:
+            path.unlink(missing_ok=True)
         self._close_pipes()
+
+    def _members(self) -> list[psutil.Process]:
+        """The script's process and its descendants (tritonserver, the stubs, their helpers)."""
+        try:
+            leader = psutil.Process(self.process.pid)
+            return [leader, *leader.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def shared_memory(self) -> set[Path]:
+        """The /dev/shm files the process group has mapped or open now."""
+        found: set[Path] = set()
+        for member in self._members():
+            try:
+                found.update(
+                    Path(m.path) for m in member.memory_maps(grouped=True) if m.path.startswith("/dev/shm/")
+                )
+                found.update(Path(f.path) for f in member.open_files() if f.path.startswith("/dev/shm/"))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
 
     def close(self) -> None:
         """End of stdin: the script stops tritonserver and exits (killed if it does not in 60 s)."""
@@ -135,6 +169,26 @@ class TritonProcess:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()  # whatever is left of the group (a stub that outlived its server)
+
+    def terminate(self, timeout_s: float = 60) -> int | None:
+        """SIGTERM to the script (what an orchestrator sends); its exit status, None if it did not
+        exit in time (then it is killed). `left_behind`: the shared memory its processes held
+        that still existed once they had all exited by themselves (then it is removed)."""
+        segments, members = self.shared_memory(), self._members()
+        code: int | None = None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                code = self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            code = self.process.returncode
+        if code is not None:  # helpers (multiprocessing's resource tracker) end after their parent
+            psutil.wait_procs(members, timeout=10)
+            self.left_behind = {path for path in segments if path.exists()}
+        self._end(segments, members)
+        return code
 
     def _close_pipes(self) -> None:
         for stream in (self.process.stdin, self.process.stdout):
@@ -197,6 +251,23 @@ class TritonRepositoryServer:
     def running(self) -> bool:
         return self._process is not None and self._process.running()
 
+    @property
+    def pid(self) -> int | None:
+        """PyTriton's process (tritonserver and its stubs run under it)."""
+        return self._process.process.pid if self._process is not None else None
+
+    def stop(self) -> int | None:
+        """A clean stop (SIGTERM, as `make triton-serve` is stopped): the exit status."""
+        return self._process.terminate() if self._process is not None else None
+
+    def shared_memory(self) -> set[Path]:
+        """The /dev/shm segments the server's processes hold now."""
+        return self._process.shared_memory() if self._process is not None else set()
+
+    def left_behind(self) -> set[Path]:
+        """What the last clean stop() left in /dev/shm (removed since)."""
+        return self._process.left_behind if self._process is not None else set()
+
     def counts(self) -> dict[str, dict[str, int]]:
         """{"rows": {...}, "requests": {...}, "batches": {...}} per model since this start."""
         return self._live().request({"op": "calls"})
@@ -224,8 +295,10 @@ class TritonRepositoryServer:
         return self._process
 
     def close(self) -> None:
+        """Killed, its shared memory removed (a clean stop costs 5-7 s of unloading, which no test
+        needs: stop() is the clean one), and its temp dir removed."""
         if self._process is not None:
-            self._process.close()
+            self._process.kill()
             self._process = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

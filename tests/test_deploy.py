@@ -57,14 +57,19 @@ def compose() -> dict[str, Any]:
 # --- Kubernetes ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def k8s(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
-    done = run([system_tool("kubectl", "kubernetes-client"), "kustomize", str(DEPLOY / "k8s")])
+def kustomize(folder: Path, out: Path) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """`kubectl kustomize folder` written to out/rendered.yaml, and its resources by kind/name."""
+    done = run([system_tool("kubectl", "kubernetes-client"), "kustomize", str(folder)])
     assert done.returncode == 0, f"kubectl kustomize failed:\n{done.stderr}"
-    rendered = tmp_path_factory.mktemp("k8s") / "rendered.yaml"
+    rendered = out / "rendered.yaml"
     rendered.write_text(done.stdout)
     docs = [d for d in yaml.safe_load_all(done.stdout) if d]
     return rendered, {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+
+
+@pytest.fixture(scope="module")
+def k8s(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
+    return kustomize(DEPLOY / "k8s", tmp_path_factory.mktemp("k8s"))
 
 
 def test_kustomize_output_passes_kubernetes_validate(k8s) -> None:

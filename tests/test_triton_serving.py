@@ -8,11 +8,10 @@ first use (scripts/triton_venv.sh); a venv that cannot be made fails here with i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import tritonclient.grpc as triton_grpc
@@ -30,8 +30,8 @@ from tritonclient.grpc import model_config_pb2
 from engine.models.base import Prediction
 from engine.models.config import DEFAULT_SPECS
 from engine.models.onnx_backend import OnnxForward, compare, export_path, probe_digest
-from runtime import load_models, load_options
-from serving.repository import PARAMETERS, ExportedModel, graph_io, write_model, write_repository
+from runtime import load_options
+from serving.repository import PARAMETERS, ExportedModel, graph_io, main, write_model, write_repository
 from settings import Settings
 from testing.triton_server import SERVE_SCRIPT, TritonRepositoryServer, TritonSetupError, triton_python
 
@@ -40,17 +40,18 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def models(base_settings: Settings) -> dict[str, Any]:
-    """The built-ins loaded as the app loads them (this module's own: the tests swap their forward pass)."""
-    return load_models(base_settings)
+def models(real_models: dict[str, Any]) -> dict[str, Any]:
+    """The built-ins loaded as the app loads them (the session's; never changed here)."""
+    return real_models
 
 
 @pytest.fixture(scope="module")
 def repository(
-    tmp_path_factory: pytest.TempPathFactory, base_settings: Settings
+    tmp_path_factory: pytest.TempPathFactory, base_settings: Settings, models: dict[str, Any]
 ) -> tuple[Path, list[ExportedModel]]:
+    """The built-ins' repository, from the models loaded above (the command loads them itself)."""
     folder = tmp_path_factory.mktemp("repository")
-    return folder, write_repository(folder, DEFAULT_SPECS, load_options(base_settings))
+    return folder, write_repository(folder, DEFAULT_SPECS, load_options(base_settings), loaded=models)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,14 @@ def server(repository: tuple[Path, list[ExportedModel]]) -> Iterator[TritonRepos
             yield running
     except TritonSetupError as exc:
         pytest.fail(f"the Triton server did not start: {exc}")
+
+
+@pytest.fixture(scope="module")
+def local_passes(repository: tuple[Path, list[ExportedModel]]) -> dict[str, OnnxForward]:
+    """ONNX Runtime sessions of the repository's graphs, in this process (the reference)."""
+    return {
+        m.task: OnnxForward(repository[0] / m.task / "1" / "model.onnx", threads=1) for m in repository[1]
+    }
 
 
 def parsed_config(folder: Path) -> Any:
@@ -169,16 +178,16 @@ class ServedForward:
 @pytest.mark.parametrize("protocol", [triton_http, triton_grpc], ids=["http", "grpc"])
 def test_served_answers_equal_the_local_pass_and_the_recorded_torch_answers(
     server: TritonRepositoryServer, models: dict[str, Any], repository: tuple[Path, list[ExportedModel]],
-    protocol: Any,
+    local_passes: dict[str, OnnxForward], protocol: Any,
 ) -> None:  # fmt: skip
     address = server.http_address if protocol is triton_http else server.grpc_address
     client = protocol.InferenceServerClient(address)
     try:
         for task, model in models.items():
-            local = OnnxForward(repository[0] / task / "1" / "model.onnx", threads=1)
-            forward = ServedForward(client, protocol, task, local)
+            forward = ServedForward(client, protocol, task, local_passes[task])
             probes = model.probe_inputs()
-            model.use_onnx(forward)  # this module's own models: nothing else serves them
+            model = copy.copy(model)  # its own forward pass; the session's model keeps its own
+            model.use_onnx(forward)
             answers = [a for item in probes for a in model.predict_batch([item])]
             together = model.predict_batch(list(probes))  # one request of several rows
             assert forward.calls >= len(probes) and forward.worst <= TOLERANCE, (task, forward.worst)
@@ -266,11 +275,26 @@ def test_killed_and_started_again_on_the_same_ports(
         client.close()
 
 
-def test_the_serve_script_refuses_a_missing_repository_with_a_message(tmp_path: Path) -> None:
-    done = subprocess.run([str(triton_python()), str(SERVE_SCRIPT), "--repository", str(tmp_path / "none"),
-                           "--http-port", "1"], capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 2
-    assert "is not a directory" in done.stderr and "Traceback" not in done.stderr
+def test_sigterm_stops_the_server_cleanly(server: TritonRepositoryServer) -> None:
+    """Last of the module's server tests: SIGTERM (Ctrl-C's twin, what `docker stop` and
+    Kubernetes send) unloads the models, stops tritonserver and exits 0, leaving no process and
+    no shared memory behind."""
+    client = triton_http.InferenceServerClient(server.http_address)
+    try:
+        client.infer("image", [image_input()])  # the data plane's shared memory is in use
+    finally:
+        client.close()
+    segments = server.shared_memory()
+    group = psutil.Process(server.pid).children(recursive=True)
+    assert segments and any(p.name() == "tritonserver" for p in group)
+    assert server.stop() == 0
+    assert not server.running() and not psutil.wait_procs(group, timeout=10)[1]
+    assert server.left_behind() == set(), "a clean stop left shared memory behind"
+    assert not [p for p in segments if p.exists()]
+    assert "stopped" in server.log_tail(3)
+
+
+def test_the_serve_script_refuses_a_bad_repository_with_a_message(tmp_path: Path) -> None:
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.pbtxt").write_text('name: "bad" max_batch_size: [')
     done = subprocess.run([str(triton_python()), str(SERVE_SCRIPT), "--repository", str(tmp_path),
@@ -278,10 +302,28 @@ def test_the_serve_script_refuses_a_missing_repository_with_a_message(tmp_path: 
     assert done.returncode == 2 and "bad/config.pbtxt" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_the_repository_command_refuses_a_bad_models_config_with_a_message(tmp_path: Path) -> None:
-    env = {**os.environ, "MODELS_CONFIG": str(tmp_path / "missing.yaml")}
-    done = subprocess.run([sys.executable, "-m", "serving.repository", str(tmp_path / "repo")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 1
-    assert "MODELS_CONFIG" in done.stderr and "Traceback" not in done.stderr
+def test_the_command_writes_the_tasks_of_models_config(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    models: dict[str, Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = tmp_path / "models.yaml"
+    config.write_text("models:\n  - task: photo\n    kind: image-classification\n"
+                      "    source: builtin:efficientnet-lite0\n    max_batch: 8\n")  # fmt: skip
+    monkeypatch.setenv("MODELS_CONFIG", str(config))
+    assert main([str(tmp_path / "repo")]) == 0
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["photo"]
+    written = parsed_config(tmp_path / "repo" / "photo")
+    assert (written.name, written.max_batch_size) == ("photo", 8)
+    assert written.parameters["cache_model_version"].string_value == models["image"].version
+    assert f"cache_model_version {models['image'].version}" in capsys.readouterr().out
+
+
+def test_the_command_refuses_a_bad_models_config_with_a_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("MODELS_CONFIG", str(tmp_path / "missing.yaml"))
+    assert main([str(tmp_path / "repo")]) == 1
+    assert "MODELS_CONFIG" in caplog.text and "Traceback" not in caplog.text
     assert not (tmp_path / "repo").exists()
