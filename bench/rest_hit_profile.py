@@ -120,7 +120,7 @@ def main() -> None:
     import skimage
     import tritonclient.http as triton
 
-    from bench.triton_peer import hits, request_of
+    from bench.triton_peer import MESSAGE, hits, request_of
 
     photo = (Path(skimage.__file__).parent / "data" / "chelsea.png").read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +131,7 @@ def main() -> None:
             client = triton.InferenceServerClient(url.removeprefix("http://"), network_timeout=60)
             for row in args.rows.split(","):
                 task, encoding = row.split("-")
-                request = request_of(task, encoding, photo)
+                request = request_of(encoding, MESSAGE if task == "text" else photo)
                 client.infer(task, request[0], outputs=request[1])  # the miss
                 hits(client, task, request, 300, ours=True)
                 before, started = thread_cpu(process.pid), time.perf_counter()
