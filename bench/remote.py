@@ -84,7 +84,7 @@ REMOTE_TIMEOUT_S = 60.0
 # default) recompute a sample of hits on the model, off the request path, once per entry: rows the
 # server would count beside the misses. Off, so the server's rows are the misses'.
 FLEET_ENV = {"ADMIN_TOKEN": ADMIN_TOKEN, "REMOTE_TIMEOUT_S": str(REMOTE_TIMEOUT_S), "SHADOW_SAMPLE_RATE": "0"}
-PEERS_TIMEOUT_S = 60.0
+READY_TIMEOUT_S = 120.0
 CLIENT_TIMEOUT_S = 120.0
 
 
@@ -223,36 +223,39 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.kill()  # reaped by the interpreter at exit
 
 
-def wait_for_peers(fleet: Fleet) -> None:
-    """Until every replica lists the others as live (a replica alone skips the fleet's lease), and
-    one heartbeat more, by which each has counted them."""
-    deadline = time.monotonic() + PEERS_TIMEOUT_S
+def wait_until_serving(fleet: Fleet) -> None:
+    """Until every replica lists the others as live (a replica alone skips the fleet's lease) and
+    serves every model on its backend (a remote one in use), and one heartbeat more, by which each
+    has counted the others."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
     headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
     last = "none"
     while time.monotonic() < deadline:
-        live = []
+        waiting = []
         for url in fleet.urls:
-            response = httpx.get(url + "/admin/api/replicas", headers=headers, timeout=5)
-            last = f"{url}: HTTP {response.status_code} {response.text[:200]}"
-            live.append(sum(r["state"] == "live" for r in response.json().get("replicas", ())))
-        if min(live) >= REPLICAS:
+            replicas = httpx.get(url + "/admin/api/replicas", headers=headers, timeout=5).json()
+            live = sum(r["state"] == "live" for r in replicas.get("replicas", ()))
+            models = httpx.get(url + "/readyz", timeout=5).json().get("models", {})
+            refused = {task: m.get("backend_reason") for task, m in models.items() if m.get("backend_reason")}
+            if live < REPLICAS or refused or not models:
+                waiting.append(url)
+                last = f"{url}: {live} live replicas, models not served: {refused or models}"
+        if not waiting:
             time.sleep(1.5)  # FLEET_HEARTBEAT_S (1 s) and a margin
             return
         time.sleep(0.2)
-    raise RuntimeError(f"the replicas at {fleet.urls} did not see each other within {PEERS_TIMEOUT_S:.0f} s "
-                       f"(last answer {last})")  # fmt: skip
+    raise RuntimeError(f"the replicas at {fleet.urls} were not serving within {READY_TIMEOUT_S:.0f} s "
+                       f"(last: {last})")  # fmt: skip
 
 
 @contextmanager
 def triton_servers(repository: Path, response_cache_mb: int) -> Iterator[dict[str, TritonRepositoryServer]]:
-    """`remote` and `triton-cache`, started at once."""
+    """`remote` and `triton-cache`, their ports chosen (start() them); closed on exit."""
     python = triton_python()
     servers = {"remote": TritonRepositoryServer(repository, python=python),
                "triton-cache": TritonRepositoryServer(repository, python=python,
                                                       response_cache_mb=response_cache_mb)}  # fmt: skip
     try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda server: server.start(), servers.values()))
         yield servers
     finally:
         for server in servers.values():
@@ -364,12 +367,17 @@ def run(config: Config, *, repository: Path | None = None, export_dir: Path | No
         redis = {
             name: stack.enter_context(fresh_redis(workdir / f"{name}-redis", tcp=True)) for name in FLEETS
         }
-        with ThreadPoolExecutor(2) as pool:
+        # Servers and replicas start at once (start-up is most of a quick run): a remote replica that
+        # checks the server before it serves keeps checking, backing off, until it does.
+        with ThreadPoolExecutor(4) as pool:
+            serving = [pool.submit(server.start) for server in servers.values()]
             started = {name: pool.submit(start_fleet, stack, workdir, name, redis[name].url, env)
                        for name, env in (("remote", remote_env), ("local", base))}  # fmt: skip
+            for future in serving:
+                future.result()
             fleets = {name: future.result() for name, future in started.items()}
         for fleet in fleets.values():
-            wait_for_peers(fleet)
+            wait_until_serving(fleet)
         log(f"replicas: remote {fleets['remote'].urls}, local {fleets['local'].urls}")
         clients: dict[str, list[Any]] = {
             name: [FleetClient(fleet.urls, k) for k in range(config.clients)]
