@@ -145,7 +145,11 @@ class Behaviour:
                 return {"rows": dict(self.rows), "requests": dict(self.requests),
                         "batches": dict(self.batches)}  # fmt: skip
             if op == "delay":
-                self.delay_s = max(0.0, float(doc.get("seconds", 0.0)))
+                seconds = doc.get("seconds")
+                number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+                if not number or not 0 <= seconds <= 3600:
+                    return {"error": f"delay seconds {seconds!r} is not a number from 0 to 3600"}
+                self.delay_s = float(seconds)
                 return {"delay": self.delay_s}
             if op == "garbage":
                 mode = doc.get("mode")

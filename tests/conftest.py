@@ -237,10 +237,13 @@ def remote_model(base_settings: Settings) -> Iterator[Callable[..., Any]]:
                          breaker_max_s=1.0)  # fmt: skip
     built: list[Any] = []
 
-    def build(task: str, url: str, **options: Any) -> Any:
+    def build(task: str, url: str, *, exports: bool = True, **options: Any) -> Any:
+        """`exports=False`: no local ONNX export to take torch's recorded probe answers from (torch
+        computes them)."""
         spec = next(s for s in DEFAULT_SPECS if s.task == task)
         spec = ModelSpec(task=spec.task, kind=spec.kind, source=spec.source, backend="remote", remote_url=url)
-        model = build_model(spec, replace(load_options(base_settings), remote=replace(fast, **options)))
+        loading = replace(load_options(base_settings), remote=replace(fast, **options))
+        model = build_model(spec, loading if exports else replace(loading, export_dir=None))
         built.append(model)
         return model
 

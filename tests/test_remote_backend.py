@@ -59,8 +59,12 @@ def test_answers_through_the_server_equal_local_answers(
     images = [CanonicalImage(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
     for url in (triton.http_url, triton.grpc_url):
         for task, raws in (("text", MESSAGES), ("image", images)):
-            model, local = remote_model(task, url), real_models[task]
+            # The probe's reference: torch's answers as the local export recorded them, or (the image
+            # over gRPC: no export to read) computed by torch here.
+            exports = task == "text" or url == triton.http_url
+            model, local = remote_model(task, url, exports=exports), real_models[task]
             assert (model.backend, model.backend_reason, model.version) == ("remote", None, local.version)
+            assert (model._torch_module is None) == exports
             inputs = [model.canonicalize(raw) for raw in raws] if task == "text" else raws
             for got, want in zip(model.predict_batch(inputs), local.predict_batch(inputs), strict=True):
                 assert [n for n, _ in got.labels] == [n for n, _ in want.labels], url

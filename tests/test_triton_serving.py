@@ -252,6 +252,8 @@ def test_garbage_and_delay_switches(server: TritonRepositoryServer) -> None:
         server.set_delay(0)
         with pytest.raises(TritonSetupError, match="garbage mode"):
             server.set_garbage("zeros")
+        with pytest.raises(TritonSetupError, match="delay seconds"):
+            server.set_delay(-1)
     finally:
         client.close()
 

@@ -203,6 +203,7 @@ class RemoteForward:
         probes = model.probe_inputs()
         local_version = model.local_version
         adopt = getattr(model, "adopt_export_state", lambda _metadata: False)
+        model.version = served.version  # the key space (restored by check() if this fails)
         if served.version == local_version:
             expected = self._reference(model, probes)
             # The server's state (computed by torch at its export) when it is this version's, else
@@ -214,7 +215,6 @@ class RemoteForward:
             if expected is None:
                 return (f"the server serves version {served.version}, not the local {local_version}, and its "
                         "cache_probe is missing or for another probe set")  # fmt: skip
-            model.version = served.version
             if getattr(model, "export_state_keys", ()) and not adopt(served.export_state):
                 adopt(None)
                 return f"the server's cache_export_state does not fit version {served.version}"
@@ -236,6 +236,7 @@ class RemoteForward:
         if recorded is not None:
             model._remote_reference = (model.local_version, recorded)
             return recorded
+        getattr(model, "adopt_export_state", lambda _metadata: False)(None)  # torch's own state, too
         self._local.reference = True
         try:
             answers = _answers(model.predict_batch, probes, model)
