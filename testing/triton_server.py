@@ -30,9 +30,12 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import psutil
 
@@ -41,6 +44,7 @@ from storage.redis.embedded import free_port
 ROOT = Path(__file__).resolve().parent.parent
 VENV_SCRIPT = ROOT / "scripts" / "triton_venv.sh"
 SERVE_SCRIPT = ROOT / "serving" / "triton_serve.py"
+STAND_IN = Path(__file__).resolve().parent / "triton_onnx_stand_in.py"
 START_TIMEOUT_S = 180.0  # tritonserver and the Python-backend stubs start in ~5-20 s on 2 busy cores
 COMMAND_TIMEOUT_S = 30.0
 
@@ -201,7 +205,36 @@ class TritonProcess:
         self._log.close()
 
 
-class TritonRepositoryServer:
+class _Server:
+    """What the servers here share: started on entering (closed if that fails), closed on
+    exiting, a temp dir of their own."""
+
+    _dir: Path | None = None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _remove_dir(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class TritonRepositoryServer(_Server):
     """serving/triton_serve.py serving `repository` on free loopback ports (see the module doc)."""
 
     def __init__(self, repository: Path, *, threads: int = 1, python: Path | None = None,
@@ -304,17 +337,105 @@ class TritonRepositoryServer:
         if self._process is not None:
             self._process.kill()
             self._process = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._remove_dir()
 
-    def __enter__(self) -> TritonRepositoryServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
 
-    def __exit__(self, *_: object) -> None:
-        self.close()
+# What the bare server needs of the Triton venv: where PyTriton keeps tritonserver and its libraries.
+_LAYOUT = """
+import pathlib, sys, pytriton
+from pytriton.utils.distribution import get_libs_path
+print(pathlib.Path(pytriton.__file__).parent / "tritonserver")
+print(get_libs_path())
+print("%d.%d" % sys.version_info[:2])
+"""
+
+
+class BareTritonServer(_Server):
+    """tritonserver itself (the one nvidia-pytriton ships) loading `repository` exactly as written,
+    with testing/triton_onnx_stand_in.py as its `onnxruntime` backend (it ships only the Python
+    backend): the check that the repository's configs are what Triton takes. HTTP only, on a free
+    loopback port; stopped with SIGTERM (killed if it does not stop) and its temp dir removed."""
+
+    def __init__(self, repository: Path, *, python: Path | None = None) -> None:
+        self.repository = Path(repository)
+        self._python = python
+        self.port = free_port()
+        self.http_address = f"127.0.0.1:{self.port}"
+        self._dir: Path | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        assert self._dir is not None, "start() first"
+        return self._dir / "tritonserver.log"
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        python = self._python or triton_python()
+        layout = subprocess.run([str(python), "-c", _LAYOUT], capture_output=True, text=True, timeout=60)
+        if layout.returncode != 0:
+            raise TritonSetupError(f"the Triton venv has no PyTriton server: {layout.stderr.strip()[-2000:]}")
+        server, libs, version = (Path(line) for line in layout.stdout.split())
+        self._dir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
+        backends = self._dir / "backends"
+        # Copies, not links: Triton refuses a backend library whose real path is outside its directory.
+        (backends / "python").mkdir(parents=True)
+        python_backend = server / "backends" / "python"
+        stub = server / "python_backend_stubs" / str(version) / "triton_python_backend_stub"
+        for source in (
+            python_backend / "libtriton_python.so",
+            python_backend / "triton_python_backend_utils.py",
+            stub,
+        ):
+            shutil.copy2(source, backends / "python" / source.name)
+        (backends / "onnxruntime").mkdir()
+        shutil.copy2(STAND_IN, backends / "onnxruntime" / "model.py")
+        # The stub finds its Python (the Triton venv's packages) through PATH, as PyTriton sets it.
+        path = f"{python.parent}:{os.environ.get('PATH', '')}"
+        env = {**os.environ, "PATH": path, "LD_LIBRARY_PATH": str(libs)}
+        command = [str(server / "bin" / "tritonserver"), f"--model-repository={self.repository}",
+                   f"--backend-directory={backends}", "--http-address=127.0.0.1", f"--http-port={self.port}",
+                   "--allow-grpc=false", "--allow-metrics=false", "--exit-on-error=true",
+                   "--exit-timeout-secs=5"]  # fmt: skip
+        with self.log_path.open("w") as log:
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)  # fmt: skip
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise TritonSetupError(f"tritonserver exited ({self._process.returncode}) loading "
+                                       f"{self.repository}; its log ends:\n{self.log_tail()}")  # fmt: skip
+            try:
+                url = f"http://{self.http_address}/v2/health/ready"
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise TritonSetupError(f"tritonserver was not ready within {timeout_s:.0f} s; its log ends:\n"
+                               f"{self.log_tail()}")  # fmt: skip
+
+    def log_tail(self, lines: int = 25) -> str:
+        if self._dir is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:  # the stubs too, if the server left any
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.wait(timeout=30)
+        self._remove_dir()

@@ -33,7 +33,13 @@ from engine.models.onnx_backend import OnnxForward, compare, export_path, probe_
 from runtime import load_options
 from serving.repository import PARAMETERS, ExportedModel, graph_io, main, write_model, write_repository
 from settings import Settings
-from testing.triton_server import SERVE_SCRIPT, TritonRepositoryServer, TritonSetupError, triton_python
+from testing.triton_server import (
+    SERVE_SCRIPT,
+    BareTritonServer,
+    TritonRepositoryServer,
+    TritonSetupError,
+    triton_python,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5
@@ -126,6 +132,38 @@ def test_writing_again_replaces_a_model_folder_cleanly(
     assert (
         parsed_config(tmp_path / "image").parameters["cache_model_version"].string_value == "0123456789abcdef"
     )
+
+
+def test_tritonserver_itself_loads_the_repository_as_written(
+    repository: tuple[Path, list[ExportedModel]], models: dict[str, Any], local_passes: dict[str, OnnxForward]
+) -> None:
+    """Triton parses and checks each config.pbtxt as written (platform onnxruntime_onnx, the I/O,
+    batching, parameters); the pip tritonserver has no ONNX Runtime backend library, so a
+    Python-based stand-in named `onnxruntime` runs the graphs (testing/triton_onnx_stand_in.py)."""
+    bare = BareTritonServer(repository[0])
+    try:
+        bare.start()
+    except TritonSetupError as exc:
+        bare.close()
+        pytest.fail(f"tritonserver did not load the repository: {exc}")
+    client = triton_http.InferenceServerClient(bare.http_address)
+    try:
+        for task, model in models.items():
+            config = client.get_model_config(task)
+            assert (config["platform"], config["backend"], config["max_batch_size"]) == (
+                "onnxruntime_onnx", "onnxruntime", 32,
+            )  # fmt: skip
+            assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+            assert config["parameters"]["cache_model_version"]["string_value"] == model.version
+        pixels = np.random.default_rng(0).standard_normal((2, 3, 224, 224)).astype(np.float32)
+        tensor = triton_http.InferInput("pixels", [2, 3, 224, 224], "FP32")
+        tensor.set_data_from_numpy(pixels)
+        served = client.infer("image", [tensor]).as_numpy("output")
+        expected = local_passes["image"]({"pixels": torch.from_numpy(pixels)}).numpy()
+        assert np.abs(served - expected).max() <= TOLERANCE
+    finally:
+        client.close()
+        bare.close()
 
 
 def test_the_server_s_config_carries_the_app_s_versions(
