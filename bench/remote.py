@@ -21,9 +21,11 @@ to Triton's own response cache: one Zipf stream over HTTP, side by side in one r
      tritonclient to the `triton-cache` server, whose response cache answers the repeats.
    Both fleets run with shadow checks off (SHADOW_SAMPLE_RATE=0: they recompute a sample of hits,
    which the server would count beside the misses) and a 60 s remote timeout (a busy machine).
-   The replicas get the app's REST /v2 (tritonclient.http, binary tensors), each client
-   alternating between the two replicas, so that repeats in flight at once meet on different
-   replicas. The sides take turns segment by segment, in a rotating order.
+   Servers and replicas start at once; the stream waits until every replica lists the other as
+   live and serves its models (a remote one in use). The replicas get the app's REST /v2
+   (tritonclient.http, binary tensors), each client alternating between the two replicas, so
+   that repeats in flight at once meet on different replicas. The sides take turns segment by
+   segment, in a rotating order.
 
 Printed: remote calls per unique input (rows that reached the `remote` server's callables during
 the stream over the distinct inputs in it; 1.0 is the fleet's single flight), hit latency (p50,
@@ -296,9 +298,6 @@ class FleetClient:
         tier = result.get_response()["parameters"].get("tier")
         return tuple(zip(names, (float(s) for s in scores), strict=True)), tier
 
-    def close(self) -> None:
-        pass  # the clients went with their threads
-
 
 class TritonCacheClient:
     """One client of Triton's response cache: this app's preprocessing and remote forward pass
@@ -386,9 +385,8 @@ def run(config: Config, *, repository: Path | None = None, export_dir: Path | No
         clients["triton-cache"] = triton_cache_clients(
             servers["triton-cache"].http_url, export_dir, config.clients
         )
-        for side_clients in clients.values():
-            for client in side_clients:
-                stack.callback(client.close)
+        for client in clients["triton-cache"]:
+            stack.callback(client.close)  # a FleetClient's clients went with their threads
         import tritonclient.http as triton
 
         stats = triton.InferenceServerClient(servers["triton-cache"].http_address, network_timeout=60)
@@ -434,10 +432,6 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 # ---- the report --------------------------------------------------------------------------
 
 
-def summary_line(summary: dict[str, float]) -> str:
-    return "SUMMARY " + " ".join(f"{key}={value:.3f}" for key, value in summary.items())
-
-
 def print_report(report: Report) -> None:
     config = report.config
     print()
@@ -471,7 +465,7 @@ def print_report(report: Report) -> None:
               f"{report.disagreements[0]}")  # fmt: skip
     else:
         print("every input got the same answer on every side (within the bench's score tolerance)")
-    print(summary_line(report.summary()))
+    print("SUMMARY " + " ".join(f"{key}={value:.3f}" for key, value in report.summary().items()))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
