@@ -20,7 +20,6 @@ as they are split, and every value quoted in a message (`api.errors.quote`).
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import struct
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pybase64
 
 from api.body import byte_count
 from api.errors import RequestRefused, quote
@@ -127,11 +127,20 @@ def _json_end(body: bytes, header_length: str | None) -> int:
     return length
 
 
+_NOT_SEPARATORS = bytes(sorted(set(range(256)) - set(b",[{")))
+
+
+def json_separators(data: bytes) -> int:
+    """Commas and opening brackets in `data`: a bound on the values a JSON document holds
+    (one pass, 0.3 ms per MB; three `bytes.count` calls took five times that)."""
+    return len(data.translate(None, _NOT_SEPARATORS))
+
+
 def _load_json(data: bytes) -> dict[str, Any]:
     # A body this short cannot hold more values than the cap (each takes 2 bytes or more):
-    # the count, 1 ms per MB, is paid only by large bodies, never by a hit's small one.
+    # the count is paid only by large bodies, never by a hit's small one.
     if len(data) > 2 * MAX_JSON_VALUES:
-        values = data.count(b",") + data.count(b"[") + data.count(b"{")
+        values = json_separators(data)
         if values > MAX_JSON_VALUES:
             raise _refuse(f"The request's JSON holds too many values (over {MAX_JSON_VALUES:,}); a request "
                           "needs a few. Send large data as one string, or as binary data.")  # fmt: skip
@@ -279,9 +288,17 @@ def _split_bytes(raw: bytes, count: int) -> list[bytes]:
 
 
 def _b64(element: bytes | str, index: int) -> bytes:
+    # pybase64 (SIMD): 0.01 ms for a 140 KB image, against the standard library's 1.5 ms of a
+    # 2.6 ms cached answer over JSON. It refuses some sloppy padding (`iaA8=`) that
+    # base64.b64decode(validate=True) accepts, and never accepts what that refuses: a string it
+    # refuses is read by the standard library, so the strings accepted stay what they were.
+    try:
+        return pybase64.b64decode(element, validate=True)
+    except ValueError:  # binascii.Error is one
+        pass
     try:
         return base64.b64decode(element, validate=True)
-    except (binascii.Error, ValueError):  # ValueError: a str with non-ASCII characters
+    except ValueError:  # binascii.Error, or a str with non-ASCII characters
         raise _refuse(f"Element {index} is not valid base64 (content_type 'base64').") from None
 
 

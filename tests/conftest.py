@@ -224,8 +224,9 @@ def triton_repository(tmp_path_factory: pytest.TempPathFactory, base_settings: S
 @pytest.fixture(scope="module")
 def remote_model(base_settings: Settings) -> Iterator[Callable[..., Any]]:
     """`remote_model(task, url, **remote_options)`: a built-in served through an OIP server, built as
-    the loader builds a `backend: remote` entry (short timeouts and backoff, so that tests wait for
-    the breaker and the background check, never for defaults); all closed at the module's end."""
+    the loader builds a `backend: remote` entry (short backoff, so that tests wait for the breaker
+    and the background check, never for defaults; a call's timeout long enough for a busy machine,
+    a test of timeouts sets its own); all closed at the module's end."""
     from dataclasses import replace
 
     from engine.models.config import DEFAULT_SPECS, ModelSpec
@@ -233,7 +234,7 @@ def remote_model(base_settings: Settings) -> Iterator[Callable[..., Any]]:
     from engine.models.remote import RemoteOptions
     from runtime import load_options
 
-    fast = RemoteOptions(connect_timeout_s=0.5, timeout_s=2.0, breaker_failures=1, breaker_reset_s=0.2,
+    fast = RemoteOptions(connect_timeout_s=0.5, timeout_s=10.0, breaker_failures=1, breaker_reset_s=0.2,
                          breaker_max_s=1.0)  # fmt: skip
     built: list[Any] = []
 

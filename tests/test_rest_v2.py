@@ -686,15 +686,21 @@ def test_an_unexpected_failure_is_a_500_without_a_trace(make_runtime, caplog) ->
 
 
 def test_which_bodies_are_taken_on_the_event_loop() -> None:
-    """Small bodies, and binary-extension bodies up to INLINE_BINARY_BYTES whose JSON header is
-    small and asks for no base64, are parsed and looked up on the event loop; the rest in a thread."""
-    from api.oip import INLINE_BINARY_BYTES, INLINE_PARSE_BYTES, _inline
+    """Small bodies, JSON bodies up to INLINE_BINARY_BYTES holding few values (a photo's base64
+    string), and binary-extension bodies up to that size whose JSON header is small and asks for
+    no base64, are parsed and looked up on the event loop; the rest in a thread."""
+    from api.oip import INLINE_BINARY_BYTES, INLINE_JSON_VALUES, INLINE_PARSE_BYTES, _inline
 
     header = (b'{"inputs":[{"name":"input","shape":[1],"datatype":"BYTES",'
               b'"parameters":{"binary_data_size":9}}]}')  # fmt: skip
     photo = header + bytes(300_000)
     assert _inline(b"x" * INLINE_PARSE_BYTES, None)
-    assert not _inline(b"x" * (INLINE_PARSE_BYTES + 1), None)  # JSON: base64 to decode
+    one_photo = json.dumps(json_body([base64.b64encode(bytes(240_000)).decode()],
+                                     parameters={"content_type": "base64"})).encode()  # fmt: skip
+    assert len(one_photo) > INLINE_PARSE_BYTES and _inline(one_photo, None)
+    many_values = b"[" + b",".join([b"0"] * (INLINE_JSON_VALUES + 1)) + b"]" + b" " * INLINE_PARSE_BYTES
+    assert not _inline(many_values, None)  # orjson's cost grows with the values, not the bytes
+    assert not _inline(b" " * (INLINE_BINARY_BYTES + 1), None)
     assert _inline(photo, str(len(header)))
     assert not _inline(header + bytes(INLINE_BINARY_BYTES), str(len(header)))
     b64 = header.replace(b'"binary_data_size"', b'"content_type":"base64","binary_data_size"')
@@ -812,3 +818,28 @@ def test_a_cached_hit_is_answered_at_once_as_its_task_would(serve_standin, monke
     metrics = httpx.get(served.url + "/metrics").text
     assert any(line.startswith("infcache_requests_total{") and 'route="rest"' in line and 'tier="l1"' in line
                and line.endswith(" 4.0") for line in metrics.splitlines()), metrics  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "element",
+    ["", "YWJj", "YQ==", "YWI=", "YQ=", "YQ", "YQ===", "=YWJj", "YQ==YQ==", "ab=c", "YWJj\n", "YW Jj",
+     "YWJj-_", "YR==", "Y\u00e9Jj", b"YWJj", b"YQ=", b"\xffYWJj", "iaA8=", "5xqEAOEwK/BI=",
+     base64.b64encode(bytes(range(256)) * 40).decode(),
+     base64.b64encode(bytes(range(256)) * 40).decode() + "=",
+     "A" * 4000 + "\t" + "A" * 4000],
+)  # fmt: skip
+def test_base64_elements_are_read_as_the_standard_library_reads_them(element: str | bytes) -> None:
+    # api.tensors decodes with pybase64 (much cheaper on an image); it must accept and refuse
+    # exactly what base64.b64decode(validate=True) does, and decode the same bytes.
+    from api.errors import RequestRefused
+    from api.tensors import _b64
+
+    try:
+        expected: bytes | None = base64.b64decode(element, validate=True)
+    except ValueError:  # binascii.Error is one
+        expected = None
+    try:
+        got: bytes | None = _b64(element, 0)
+    except RequestRefused:
+        got = None
+    assert got == expected

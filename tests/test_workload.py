@@ -19,6 +19,7 @@ import pytest
 
 from bench import peers
 from bench.workload import cli, config, inprocess, inputs, processes, replay, report
+from bench.workload.over_http import HitCost, HttpRun
 from engine.inputs import clean_text
 from storage.redis.embedded import EmbeddedRedis
 
@@ -267,3 +268,34 @@ def test_the_benchmarks_redis_is_like_the_apps_private_one(redis_binary, tmp_pat
             assert (found["port"] != "0") == tcp and bool(found["unixsocket"]) != tcp
         finally:
             client.close()
+
+
+def _stream_result(system: str, requests: int, cpu_ms: float, model_calls: int) -> replay.Result:
+    return replay.Result(system, "zipf-restart (HTTP)", latencies_ms=np.ones(requests),
+                  cpu_s=cpu_ms * requests / 1000, model_calls=model_calls)  # fmt: skip
+
+
+def _hit(path: str, session: bool | None, task: str, cpu_ms: float) -> HitCost:
+    return HitCost(path, session, task, latencies_ms=[1.0] * 10, cpu_s=cpu_ms * 10 / 1000)
+
+
+def test_the_report_shows_the_ceiling_each_http_target_meets() -> None:
+    # 1,000 requests, 900 hits; text hits cost 1 ms and image hits 3 ms through Gradio (the
+    # stream half of each): ours 5 ms a request = 0.9 x 2 ms + 3.2 ms of the rest; grcache 15 ms.
+    http = HttpRun(
+        results={"grcache": _stream_result("grcache", 1000, 15.0, 150),
+                 "ours": _stream_result("ours", 1000, 5.0, 100),
+                 "ours-rest": _stream_result("ours-rest", 1000, 2.0, 100)},
+        hits=[_hit("ours", True, "text", 0.8), _hit("ours", False, "text", 1.2),
+              _hit("ours", True, "image", 3.0), _hit("ours", False, "image", 3.0),
+              _hit("ours-rest", None, "text", 0.2), _hit("ours-rest", None, "image", 0.6)],
+        memory=[], sessions="half", task_share={"text": 0.5, "image": 0.5},
+    )  # fmt: skip
+    gradio, rest = report.ceiling_lines(http)
+    assert "ours 5.00 ms = hits 0.900 x 2.00 ms + the rest (misses, queueing) 3.20 ms" in gradio
+    assert "with free hits 4.69x" in gradio and "the target needs hits <= 2.00 ms" in gradio
+    # REST: 2.0 - 0.9 x 0.4 = 1.64 ms of the rest; 15 / 8 = 1.875 leaves 0.26 ms a hit.
+    assert "the rest (misses, queueing) 1.64 ms" in rest and "the target needs hits <= 0.26 ms" in rest
+    slower_misses = HttpRun({**http.results, "ours-rest": _stream_result("ours-rest", 1000, 2.5, 100)},
+                            http.hits, [], "half", http.task_share)  # fmt: skip
+    assert "out of reach even with free hits" in report.ceiling_lines(slower_misses)[1]

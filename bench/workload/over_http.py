@@ -134,6 +134,7 @@ class HttpRun:
     hits: list[HitCost]
     memory: list[RssGrowth]
     sessions: str
+    task_share: dict[str, float] = field(default_factory=dict)  # each task's share of the stream
 
     def hit(self, path: str, session: bool | None, task: str) -> HitCost | None:
         return next((h for h in self.hits if (h.path, h.session, h.task) == (path, session, task)), None)
@@ -207,7 +208,9 @@ def run_http(
         results[path].disagreements = disagreements[path]
         peaks = servers.rss_peaks[path]
         results[path].rss_peak_mib = max(peaks) if peaks else None
-    return HttpRun(results, hits, memory, config.http_sessions)
+    tasks = Counter(jobs[int(i)][0] for i in stream)
+    share = {task: count / max(len(stream), 1) for task, count in tasks.items()}
+    return HttpRun(results, hits, memory, config.http_sessions, share)
 
 
 def measure_hits(

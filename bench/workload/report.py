@@ -276,6 +276,45 @@ def target_lines(
     return lines
 
 
+CEILING_PATHS = {"ours": "gradio_vs_grcache", "ours-rest": "rest_vs_grcache"}
+
+
+def ceiling_lines(http: HttpRun) -> list[str]:
+    """What bounds each HTTP ratio, from the run's own figures: the stream is CPU-bound on 2 cores,
+    so throughput follows server CPU per request, and ours = hit share x a hit's CPU (the cached
+    answers one at a time, weighted by the stream's task mix) + the rest (misses, queueing). With
+    free hits the ratio could reach grcache's CPU over the rest alone; the hit cost the target
+    needs follows from the same sum."""
+    peer = http.results.get("grcache")
+    if peer is None or not peer.requests or math.isnan(peer.cpu_s):
+        return []
+    peer_ms = 1000 * peer.cpu_s / peer.requests
+    lines = []
+    for path, key in CEILING_PATHS.items():
+        ours = http.results.get(path)
+        costs = {task: [h.cpu_ms for h in http.hits if h.path == path and h.task == task and h.n]
+                 for task in http.task_share}  # fmt: skip
+        if ours is None or not ours.requests or math.isnan(ours.cpu_s) or not all(costs.values()):
+            continue
+        hit_ms = sum(share * float(np.mean(costs[task])) for task, share in http.task_share.items())
+        ours_ms = 1000 * ours.cpu_s / ours.requests
+        rest_ms = ours_ms - ours.hit_ratio * hit_ms
+        target = TARGETS[key][1]
+        needed = (peer_ms / target - rest_ms) / ours.hit_ratio if ours.hit_ratio else float("nan")
+        reach = (
+            f"the target needs hits <= {needed:.2f} ms"
+            if needed > 0
+            else "out of reach even with free hits: the rest alone costs more than the target allows"
+        )
+        lines.append(
+            f"ceiling {key} (target >= {target:g}): CPU per request grcache {peer_ms:.2f} ms, {path} "
+            f"{ours_ms:.2f} ms = hits {ours.hit_ratio:.3f} x {hit_ms:.2f} ms + the rest (misses, queueing) "
+            f"{rest_ms:.2f} ms; CPU ratio {peer_ms / ours_ms:.2f}x, with free hits {peer_ms / rest_ms:.2f}x; "
+            + reach
+        )
+    return lines
+
+
 def http_lines(config: Config, http: HttpRun) -> list[str]:
     """The HTTP run: the stream's table, the cached answers one at a time, the servers' memory."""
     plan = session_plan(http.sessions, config.clients)
@@ -311,7 +350,8 @@ def http_lines(config: Config, http: HttpRun) -> list[str]:
             f"server memory, {growth.path}: {growth.calls:,} cached text calls without a session hash, RSS "
             f"{_mib(growth.start_mib)} -> {_mib(growth.end_mib)} MiB ({growth.growth_mib:+.1f} MiB)"
         )
-    return lines
+    ceilings = ceiling_lines(http)
+    return lines + (["", *ceilings] if ceilings else [])
 
 
 def machine_lines() -> list[str]:
