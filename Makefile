@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults bench-redis-scale bench-triton soak clean setup \
+.PHONY: run test lint bench-models bench-cache bench-miss bench-workload bench-faults bench-redis-scale bench-triton bench-remote soak clean setup \
 	triton-repository triton-serve
 
 $(STAMP): requirements.txt requirements-dev.txt
@@ -61,6 +61,13 @@ bench-redis-scale: $(STAMP)
 # makes .venv-triton with nvidia-pytriton from PyPI, scripts/triton_venv.sh).
 bench-triton: $(STAMP)
 	$(PY) -m bench.triton_peer
+
+# Two replicas in front of one Triton server (their models remote) against the same two with local
+# models and against Triton's own response cache, one Zipf stream (a few minutes; needs
+# redis-server, and makes .venv-triton on first use).
+bench-remote: $(STAMP)
+	@scripts/ensure_system_deps.sh redis-server
+	$(PY) -m bench.remote
 
 # The served models as a Triton/KServe model repository (MODELS_CONFIG's, or the built-ins): ONNX
 # graphs, config.pbtxt with dynamic batching and this app's model versions (docs/REMOTE.md).

@@ -159,14 +159,14 @@ def main() -> None:
     import skimage
     import tritonclient.http as triton
 
-    from bench.triton_peer import hits, request_of
+    from bench.triton_peer import MESSAGE, hits, request_of
 
     photo = (Path(skimage.__file__).parent / "data" / "chelsea.png").read_bytes()
     with profiled_server(args.timer) as (pid, url, out_dir):
         client = triton.InferenceServerClient(url.removeprefix("http://"), network_timeout=60)
         for stop, row in enumerate(args.rows.split(","), start=1):
             task, encoding = row.split("-")
-            request = request_of(task, encoding, photo)
+            request = request_of(encoding, MESSAGE if task == "text" else photo)
             client.infer(task, request[0], outputs=request[1])  # the miss
             profile_row(pid, out_dir, stop, row, args,
                         lambda n, t=task, r=request: hits(client, t, r, n, ours=True))  # fmt: skip

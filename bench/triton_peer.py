@@ -81,7 +81,7 @@ class TritonPeer:
 
     def cpu_s(self) -> float:
         """user + sys seconds of tritonserver and its children (the Python-backend stubs)."""
-        return _tree_cpu_s(self.server)
+        return tree_cpu_s(self.server)
 
     def host_cpu_s(self) -> float:
         """PyTriton's own Python process (it runs the callables; not counted as the server's)."""
@@ -96,7 +96,7 @@ def _own_cpu_s(process: psutil.Process) -> float:
     return cpu.user + cpu.system
 
 
-def _tree_cpu_s(process: psutil.Process) -> float:
+def tree_cpu_s(process: psutil.Process) -> float:
     total = _own_cpu_s(process)
     for child in process.children(recursive=True):
         try:
@@ -125,20 +125,21 @@ class Row:
         return f"{self.task}, {self.encoding}"
 
 
-def request_of(task: str, encoding: str, photo: bytes) -> tuple[list[Any], list[Any]]:
-    """The tritonclient inputs and outputs of one row (the same objects go to both servers)."""
+def request_of(encoding: str, raw: str | bytes) -> tuple[list[Any], list[Any]]:
+    """The tritonclient inputs and outputs of one request in the app's /v2 signature (a message, or
+    an image's file bytes), in JSON or binary tensors; the same objects may go to several servers."""
     import tritonclient.http as triton
 
     binary = encoding == "binary"
     tensor = triton.InferInput("input", [1], "BYTES")
-    if task == "text":
-        tensor.set_data_from_numpy(np.array([MESSAGE.encode()], dtype=object), binary_data=binary)
+    if isinstance(raw, str):
+        tensor.set_data_from_numpy(np.array([raw.encode()], dtype=object), binary_data=binary)
     elif binary:
-        tensor.set_data_from_numpy(np.array([photo], dtype=object), binary_data=True)
+        tensor.set_data_from_numpy(np.array([raw], dtype=object), binary_data=True)
     else:
         # JSON carries text only: the image goes base64, and the app needs to be told so. tritonclient
         # (2.73) has no public setter for a tensor's parameters, hence its private dict.
-        tensor.set_data_from_numpy(np.array([base64.b64encode(photo)], dtype=object), binary_data=False)
+        tensor.set_data_from_numpy(np.array([base64.b64encode(raw)], dtype=object), binary_data=False)
         tensor._parameters["content_type"] = "base64"
     outputs = [triton.InferRequestedOutput(name, binary_data=binary) for name in ("label", "score")]
     return [tensor], outputs
@@ -195,7 +196,8 @@ def run(args: argparse.Namespace) -> None:
                                                 network_timeout=60)  # fmt: skip
             theirs = triton.InferenceServerClient(peer.url, connection_timeout=60, network_timeout=60)
             print(f"tritonserver pid {peer.server.pid} (its log: {peer.log_path}); app pid {app.pid}, {url}")
-            requests = {row.name: request_of(row.task, row.encoding, photo) for row in rows}
+            requests = {row.name: request_of(row.encoding, MESSAGE if row.task == "text" else photo)
+                        for row in rows}  # fmt: skip
             for row in rows:
                 request = requests[row.name]
                 print(f"{row.name}: first answers: ours {first_answer(ours, row.task, request)}, "
@@ -209,9 +211,9 @@ def run(args: argparse.Namespace) -> None:
                     order = (True, False) if round_index % 2 == 0 else (False, True)
                     for is_ours in order:
                         if is_ours:
-                            before = _tree_cpu_s(ours_pid)
+                            before = tree_cpu_s(ours_pid)
                             row.ours_ms += hits(ours, row.task, request, args.requests, ours=True)
-                            row.ours_cpu_s += _tree_cpu_s(ours_pid) - before
+                            row.ours_cpu_s += tree_cpu_s(ours_pid) - before
                         else:
                             before, host_before = peer.cpu_s(), peer.host_cpu_s()
                             row.theirs_ms += hits(theirs, row.task, request, args.requests, ours=False)

@@ -6,6 +6,7 @@ nothing of this project but serving/triton_common.py.
 
     .venv-triton/bin/python serving/triton_serve.py --repository DIR --http-port 8000
     (make triton-serve DIR=.. PORT=..; gRPC on PORT+1, metrics on PORT+2 unless given)
+    --response-cache-mb N: Triton's own local response cache on every model (off by default)
 
 Each DIR/<task>/config.pbtxt (Triton's ModelConfig, text format) with its newest version folder's
 model.onnx becomes one PyTriton-bound callable that runs the graph with ONNX Runtime: the same
@@ -202,7 +203,8 @@ def session_of(graph: Path, threads: int) -> Any:
     return ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
 
 
-def bind_all(triton: Any, models: list[ServedModel], behaviour: Behaviour, threads: int) -> None:
+def bind_all(triton: Any, models: list[ServedModel], behaviour: Behaviour, threads: int,
+             *, response_cache: bool = False) -> None:  # fmt: skip
     from pytriton.model_config import DynamicBatcher, ModelConfig
     from pytriton.model_config import Tensor as TritonTensor
 
@@ -215,7 +217,8 @@ def bind_all(triton: Any, models: list[ServedModel], behaviour: Behaviour, threa
             inputs=[TritonTensor(name=t.name, dtype=t.dtype, shape=t.dims) for t in model.inputs],
             outputs=[TritonTensor(name=t.name, dtype=t.dtype, shape=t.dims) for t in model.outputs],
             config=ModelConfig(batching=batching, max_batch_size=max(1, model.max_batch_size),
-                               batcher=DynamicBatcher(max_queue_delay_microseconds=model.queue_delay_us)),
+                               batcher=DynamicBatcher(max_queue_delay_microseconds=model.queue_delay_us),
+                               response_cache=response_cache),
             strict=False,  # the garbage modes answer shapes the config does not allow, on purpose
         )  # fmt: skip
     # PyTriton 0.7.0 has no public setter for a model's `parameters`: its model config object, built
@@ -232,6 +235,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads a model (0: all cores)")
     parser.add_argument("--control", action="store_true", help="the test server's stdin/stdout protocol")
     parser.add_argument("--workspace", type=Path, help="PyTriton's workspace (default: a temp dir)")
+    parser.add_argument("--response-cache-mb", type=int, default=0,
+                        help="Triton's own local response cache of this size on every model (0: off)")
     args = parser.parse_args()
     protocol: Protocol | None = take_protocol_channel() if args.control else None
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
@@ -248,10 +253,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     behaviour = Behaviour([m.name for m in models])
     # No token on the statistics endpoint either: tritonclient's get_inference_statistics works.
-    triton = Triton(config=triton_config(args), workspace=args.workspace,
+    # Triton's response cache (off unless asked: this app caches in front of it; bench.remote compares).
+    size = args.response_cache_mb * 2**20
+    cache = {"cache_config": [f"local,size={size}"]} if size else {}
+    triton = Triton(config=triton_config(args, **cache), workspace=args.workspace,
                     security_config=TritonSecurityConfig(restricted_endpoints=[]))  # fmt: skip
     try:
-        bind_all(triton, models, behaviour, args.threads)
+        bind_all(triton, models, behaviour, args.threads, response_cache=bool(args.response_cache_mb))
         triton.run()
         chosen = ports(args)
         for model in models:

@@ -13,6 +13,7 @@ its `{"ready": true}` line and speaks their JSON-line protocol (serving/triton_c
         server.stop()                               # a clean stop (SIGTERM): its exit status
         server.set_delay(0.5)                       # each batch sleeps first
         server.set_garbage("nan")                   # "nan" | "shape" | None: what the callable answers
+    TritonRepositoryServer(repo_dir, response_cache_mb=64)  # Triton's own response cache on every model
 
 Free loopback ports, a temp dir (PyTriton's workspace, the server's log), everything killed
 and removed on exit (shared memory included). A venv that cannot be made or a server that does
@@ -236,9 +237,11 @@ class _Server:
 class TritonRepositoryServer(_Server):
     """serving/triton_serve.py serving `repository` on free loopback ports (see the module doc)."""
 
-    def __init__(self, repository: Path, *, threads: int = 1, python: Path | None = None) -> None:
+    def __init__(self, repository: Path, *, threads: int = 1, python: Path | None = None,
+                 response_cache_mb: int = 0) -> None:  # fmt: skip
         self.repository = Path(repository)
         self.threads = threads
+        self.response_cache_mb = response_cache_mb  # Triton's own response cache on every model (0: off)
         self._python = python
         self.ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
         self.http_url = f"http://127.0.0.1:{self.ports['http']}"
@@ -273,7 +276,8 @@ class TritonRepositoryServer(_Server):
         workspace = self._dir / f"workspace-{self._starts}"  # PyTriton removes it on a clean stop only
         args = ["--repository", str(self.repository), "--control", "--threads", str(self.threads),
                 "--http-port", str(self.ports["http"]), "--grpc-port", str(self.ports["grpc"]),
-                "--metrics-port", str(self.ports["metrics"]), "--workspace", str(workspace)]  # fmt: skip
+                "--metrics-port", str(self.ports["metrics"]), "--workspace", str(workspace),
+                "--response-cache-mb", str(self.response_cache_mb)]  # fmt: skip
         self._process = TritonProcess(self._python, SERVE_SCRIPT, args, self.log_path)
 
     def kill(self) -> None:

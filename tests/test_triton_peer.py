@@ -22,7 +22,7 @@ def test_a_repeated_request_is_a_cache_hit_that_never_reaches_the_callable(tmp_p
         pytest.fail(f"the Triton peer did not start: {exc}")
     try:
         client = triton.InferenceServerClient(peer.url, network_timeout=60)
-        inputs, outputs = request_of("text", "binary", b"")
+        inputs, outputs = request_of("binary", "Where is my parcel?")
         answers = [client.infer("text", inputs, outputs=outputs) for _ in range(3)]
         assert answers[0].as_numpy("label").shape == (1, 5)
         assert answers[0].as_numpy("score").dtype == np.float32
@@ -31,7 +31,7 @@ def test_a_repeated_request_is_a_cache_hit_that_never_reaches_the_callable(tmp_p
         assert peer.callable_calls() == {"text": 1, "image": 0}
         assert cache_hits(client) == {"text": 2, "image": 0}
         # The same message as JSON tensors is the same input to Triton's cache: still one call.
-        json_inputs, json_outputs = request_of("text", "json", b"")
+        json_inputs, json_outputs = request_of("json", "Where is my parcel?")
         assert client.infer("text", json_inputs, outputs=json_outputs).as_numpy("label").shape == (1, 5)
         assert peer.callable_calls()["text"] == 1
         client.close()

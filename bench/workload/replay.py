@@ -28,6 +28,7 @@ class Segment:
     cpu_s: float
     tiers: Counter[str]
     errors: list[str]
+    tier_each: list[str] = field(default_factory=list)  # each request's tier, in `indices` order
 
 
 def replay(
@@ -43,6 +44,7 @@ def replay(
     n = len(indices)
     latencies = np.zeros(n)
     tiers: Counter[str] = Counter()
+    tier_each = [""] * n
     errors: list[str] = []
     cursor = itertools.count()  # next() on it is atomic under the GIL
     lock = threading.Lock()
@@ -59,6 +61,7 @@ def replay(
                     errors.append(f"input {index} ({task}): {exc.__class__.__name__}: {exc}")
                 continue
             latencies[i] = (time.perf_counter_ns() - started) / 1e6
+            tier_each[i] = tier or "?"
             with lock:
                 tiers[tier or "?"] += 1
                 known = answers.setdefault(index, labels)
@@ -73,7 +76,7 @@ def replay(
     for thread in threads:
         thread.join()
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    return Segment(latencies, wall, cpu, tiers, errors)
+    return Segment(latencies, wall, cpu, tiers, errors, tier_each)
 
 
 def same_answer(a: Labels, b: Labels, tolerance: float = SCORE_TOLERANCE) -> bool:
