@@ -64,7 +64,6 @@ from ui.call_protocol import (
 )
 from ui.gradio_guard import RefusedCalls
 from ui.lean_sessions import DeliveredIds
-from ui.lean_uploads import UPLOAD_PATH, LeanUploads
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +128,6 @@ class CachedCalls:
         # Gradio's login (auth=...) guards these routes; this app sets none, and with one every
         # request goes to Gradio.
         self.enabled = getattr(gradio_app, "auth", None) is None and gradio_app.auth_dependency is None
-        self.uploads = LeanUploads(gradio_app)  # one-file uploads (ui.lean_uploads)
         self.answered = 0  # calls answered here (for tests and the curious)
         self.answered_now = 0  # of which by answer_now (POST and GET answered without a task)
 
@@ -161,9 +159,6 @@ class CachedCalls:
                     await self._post(scope, receive, send, route[0], named=route[1])
                 else:
                     await self._get(scope, receive, send, route[0])
-                return
-            if self.enabled and path == UPLOAD_PATH and method == "POST":
-                await self.uploads(scope, receive, send, self.app)
                 return
             if self.enabled and path == QUEUE_DATA_PATH and method == "GET":
                 if self._unknown_session(scope):
