@@ -197,8 +197,9 @@ def under_attack(
     than a second, the rounds are measured once more and that measurement decides (see
     HEALTH_FLOOR_S).
     `control`, if any, runs as the attackers do in the quiet windows: ordinary requests of
-    the same work, the baseline for an attack made of ordinary-looking requests (then there is
-    no second measurement: the attacker's requests are not repeatable). `unrefused_bytes`
+    the same work, the baseline for an attack made of ordinary-looking requests (a second
+    measurement, if any, sends the attackers' next requests: new ones of the same kinds).
+    `unrefused_bytes`
     None: the attackers' requests are answered, not refused (judged by the scenario).
     `beside`, if any, is entered with the normal clients, after the warm-up: another client's
     work, judged by the scenario."""
@@ -234,7 +235,7 @@ def under_attack(
         time.sleep(0.5)  # the clients' first requests and connections
         rss_before = {app.name: rss_mb(app.pid) if reset_peak_rss(app.pid) else None for app in ctx.apps}
         verdicts.append(measure())
-        if verdicts[0].worth_a_second_look and control is None:
+        if verdicts[0].worth_a_second_look:
             verdicts.append(measure())
     peaks = {app.name: peak_rss_mb(app.pid) for app in ctx.apps}
     _judge_health(run, verdicts)
