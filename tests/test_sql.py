@@ -252,6 +252,26 @@ class TestQueries:
         ]  # fmt: skip
         assert sum(k.share for k in hot) == pytest.approx(1.0)
 
+    def test_a_steady_stream_is_written_a_batch_per_period(self, db: Engine) -> None:
+        """Rows that keep arriving wait for the next period: a writer that chased them wrote a few
+        rows a transaction and took the GIL from the request path at every request."""
+        writer = RequestLogWriter(db, flush_interval_s=0.2, prune_every_s=3600)
+        try:
+            submitted, deadline = 0, time.monotonic() + 1.5
+            while time.monotonic() < deadline:  # ~2,000 requests a second, as a busy replica's hits
+                writer.submit(row(submitted))
+                submitted += 1
+                time.sleep(0.0005)
+            writer.flush()
+            stats = writer.stats()
+            assert stats.written == submitted and stats.dropped == 0
+            # 1.5 s at one batch per 0.2 s period (a full batch of 500 may add one), plus the flush.
+            assert stats.batches <= 16, (stats.batches, submitted)
+        finally:
+            writer.close()
+        with db.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(RequestRow)).scalar_one() == submitted
+
     def test_retention_prunes_by_age_and_count(self, db: Engine) -> None:
         writer = RequestLogWriter(db, retention_days=1, max_rows=100, prune_every_s=3600, clock=lambda: NOW)
         try:
