@@ -10,6 +10,12 @@ happened: an event pushed (`Queue.push`) or an event's processing ended (`proces
 worker and a concurrency place freed). A wait also ends after MAX_WAIT_S, so a change made
 any other way is seen as late as that, never lost.
 
+Gradio's second loop, `Queue.start_progress_updates`, sends a running event's progress every
+10 ms, and with no event running sleeps 10 ms and looks again: a hundred wake-ups a second
+(14 ms of CPU a second on this 2-core machine, idle or serving hits). Here, with no event
+running, it waits until the first loop starts one (or PROGRESS_MAX_WAIT_S), and runs as
+Gradio's while any is. A wait is a future and a timer, not `asyncio.wait_for`'s task.
+
 Pinned to gradio==6.31.0 like ui.lean_sessions: `tests/test_queue_wake.py` checks that
 Gradio's loop is still the one copied here, so an upgrade that changes it fails there first.
 """
@@ -17,7 +23,6 @@ Gradio's loop is still the one copied here, so an upgrade that changes it fails 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -25,6 +30,44 @@ from gradio.utils import run_coro_in_background, set_task_name
 
 # The longest the loop sleeps without being woken (Gradio's own sleep: 1 ms).
 MAX_WAIT_S = 0.05
+# The longest the progress loop sleeps with no event running, unless one starts (Gradio: 10 ms).
+PROGRESS_MAX_WAIT_S = 1.0
+
+
+class Wakeup:
+    """A wait that `set()` ends early, and that a `set()` made since the last `clear()` ends at
+    once. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._set = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until set() or `timeout_s`; then cleared."""
+        if not self._set:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _resolve, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        self._set = False
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class WokenQueue:
@@ -34,18 +77,20 @@ class WokenQueue:
         self._queue = queue
         self._push = queue.push
         self._process_events = queue.process_events
-        self._wake: asyncio.Event | None = None  # made on the loop that runs the queue
+        self._wake = Wakeup()
+        self._job_started = Wakeup()  # wakes the progress loop
         self.wakeups = 0  # times the loop looked for work (for tests and the curious)
+        self.progress_wakeups = 0  # times the progress loop looked for events
 
     def install(self) -> None:
         queue = self._queue
         queue.push = self.push
         queue.process_events = self.process_events
-        queue.start_processing = self.start_processing  # Queue.start runs it as a task
+        queue.start_processing = self.start_processing  # Queue.start runs both as tasks
+        queue.start_progress_updates = self.start_progress_updates
 
     def wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+        self._wake.set()
 
     async def push(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -60,16 +105,11 @@ class WokenQueue:
             self.wake()
 
     async def _idle(self) -> None:
-        wake = self._wake
-        assert wake is not None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), MAX_WAIT_S)
-        wake.clear()
+        await self._wake.wait(MAX_WAIT_S)
 
     async def start_processing(self) -> None:
         """gradio.queueing.Queue.start_processing (6.31.0), its `asyncio.sleep(sleep_when_free)`
         replaced by waiting to be woken."""
-        self._wake = asyncio.Event()
         q = self._queue
         try:
             while not q.stopped:
@@ -90,6 +130,7 @@ class WokenQueue:
                 if event_batch:
                     events, batch, concurrency_id = event_batch
                     q.active_jobs[q.active_jobs.index(None)] = events
+                    self._job_started.set()
                     event_queue = q.event_queue_per_concurrency_id[concurrency_id]
                     event_queue.current_concurrency += 1
                     start_time = time.time()
@@ -112,3 +153,23 @@ class WokenQueue:
         finally:
             q.stopped = True
             q._cancel_asyncio_tasks()
+
+    async def start_progress_updates(self) -> None:
+        """gradio.queueing.Queue.start_progress_updates (6.31.0), its sleep with no event
+        running replaced by waiting for one to start."""
+        q = self._queue
+        while not q.stopped:
+            self.progress_wakeups += 1
+            self._job_started.clear()  # a job started from here on ends the next wait
+            events = [evt for job in q.active_jobs if job is not None for evt in job]
+
+            if len(events) == 0:
+                await self._job_started.wait(PROGRESS_MAX_WAIT_S)
+                continue
+
+            for event in events:
+                if event.progress_pending and event.progress:
+                    event.progress_pending = False
+                    q.send_message(event, event.progress)
+
+            await asyncio.sleep(q.progress_update_sleep_when_free)
