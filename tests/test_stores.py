@@ -182,6 +182,53 @@ class TestMemoryStore:
         stats = store.stats()
         assert (stats.hits, stats.misses) == (1, 1)
 
+    def test_matches_a_plain_model_over_random_operations(self) -> None:
+        """Reads, writes, overwrites, deletes and expiry under byte pressure, against a model
+        written for clarity: live entries in recency order, expired ones dropped before the
+        least recently used make room."""
+        rng = random.Random(7)
+        clock = FakeClock()
+        store = MemoryStore(max_bytes=500, default_ttl_s=30, timer=clock)
+        model: dict[str, tuple[int, int, float]] = {}  # key -> (value, size, expires), oldest use first
+        evictions = 0
+
+        def live(key: str) -> bool:
+            return key in model and clock.now < model[key][2]
+
+        for step in range(5000):
+            key, op = f"k{rng.randrange(40)}", rng.random()
+            if op < 0.45:
+                expected = model[key][0] if live(key) else None
+                if live(key):
+                    model[key] = model.pop(key)
+                else:
+                    model.pop(key, None)
+                assert store.get(key) == expected, step
+            elif op < 0.85:
+                size, ttl = rng.randrange(1, 120), rng.choice([None, 1, 5, 60])
+                model.pop(key, None)
+                if sum(item[1] for item in model.values()) + size > 500:
+                    for k in [k for k in model if not live(k)]:
+                        del model[k]
+                    while sum(item[1] for item in model.values()) + size > 500:
+                        del model[next(iter(model))]
+                        evictions += 1
+                model[key] = (step, size, clock.now + (30 if ttl is None else ttl))
+                assert store.set(key, step, size=size, ttl_s=ttl)
+            elif op < 0.9:
+                assert store.delete(key) == live(key), step
+                model.pop(key, None)
+            elif op < 0.95:
+                assert store.peek(key) == (model[key][0] if live(key) else None), step
+            else:
+                clock.tick(rng.choice([0.5, 2, 10]))
+            if step % 50 == 0:
+                for k in [k for k in model if not live(k)]:
+                    del model[k]
+                stats = store.stats()
+                assert (stats.entries, stats.bytes, stats.evictions) == (
+                    len(model), sum(item[1] for item in model.values()), evictions), step
+
     def test_clear_is_not_counted_as_eviction(self) -> None:
         store = MemoryStore(max_bytes=1000, default_ttl_s=60)
         for i in range(5):

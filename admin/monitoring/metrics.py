@@ -3,12 +3,14 @@ read at scrape time. Its own registry (no process-global state); no input data."
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from admin.monitoring.health_metrics import gpu_metrics, redis_metrics
 from admin.monitoring.remote_metrics import remote_metrics
@@ -106,28 +108,60 @@ def batch_size_histogram(batch_sizes: dict[str, dict[int, int]]) -> HistogramMet
     return family
 
 
+class _RequestCounts(Collector):
+    """Requests by (task, tier, status, route) and engine latency by tier, counted exactly under
+    one lock and rendered at scrape time: the per-request cost is a few dict and list updates,
+    about a fifth of prometheus_client's Counter.inc and Histogram.observe (its bucket search is
+    a Python loop), on every cached hit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[str, str, str, str], int] = {}
+        # Per tier: the count in each bucket (not cumulative), the last one +Inf, then the sum.
+        self._latency: dict[str, list[float]] = {}
+
+    def observe(self, record: RequestRecord) -> None:
+        tier = record.tier or "none"
+        key = (record.task, tier, record.status, record.route)
+        seconds = record.latency_ms / 1000.0
+        bucket = bisect_left(LATENCY_BUCKETS_S, seconds)  # the first bound >= seconds, as `le` means
+        with self._lock:
+            self._requests[key] = self._requests.get(key, 0) + 1
+            counts = self._latency.get(tier)
+            if counts is None:
+                counts = self._latency[tier] = [0] * (len(LATENCY_BUCKETS_S) + 2)
+            counts[bucket] += 1
+            counts[-1] += seconds
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        with self._lock:
+            requests = dict(self._requests)
+            latency = {tier: list(counts) for tier, counts in self._latency.items()}
+        family = CounterMetricFamily("infcache_requests", "Requests by task, tier, status and route",
+                                     labels=["task", "tier", "status", "route"])  # fmt: skip
+        for key, count in requests.items():
+            family.add_metric(list(key), count)
+        yield family
+        histogram = HistogramMetricFamily("infcache_request_latency_seconds", "Engine latency by tier",
+                                          labels=["tier"])  # fmt: skip
+        for tier, counts in latency.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), counts[:-1], strict=True):
+                cumulative += int(count)
+                buckets.append((floatToGoString(bound), cumulative))
+            histogram.add_metric([tier], buckets, sum_value=counts[-1])
+        yield histogram
+
+
 class Metrics:
     """Owns one registry. `observe` is the engine listener; `render` is the /metrics body."""
 
     def __init__(self, engine: InferenceEngine, writer: RequestLogWriter | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._requests = Counter("infcache_requests", "Requests by task, tier, status and route",
-                                 ["task", "tier", "status", "route"], registry=self.registry)  # fmt: skip
-        self._latency = Histogram("infcache_request_latency_seconds", "Engine latency by tier",
-                                  ["tier"], buckets=LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
+        self._requests = _RequestCounts()
+        self.registry.register(self._requests)
         self.registry.register(_CacheStateCollector(engine, writer))
-        self._children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
-
-    def observe(self, record: RequestRecord) -> None:
-        """Runs on every request: label children are looked up once and kept."""
-        tier = record.tier or "none"
-        key = (record.task, tier, record.status, record.route)
-        children = self._children.get(key)
-        if children is None:
-            children = (self._requests.labels(*key), self._latency.labels(tier))
-            self._children[key] = children
-        children[0].inc()
-        children[1].observe(record.latency_ms / 1000.0)
+        self.observe = self._requests.observe  # the listener: one call on every request
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
