@@ -35,6 +35,7 @@ from api.body import byte_count
 from settings import Settings
 from ui.asgi import ASGIApp, Message, Receive, Scope, Send, respond
 from ui.call_protocol import RefusalLog
+from ui.simple_request import read_simple_request
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bound = 0  # at least the head's size: the reads it arrived in
         self._head_timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str] | None = None
+        self._message_open = False  # the parser is inside a request (its head or body)
+        self._declined = False  # the read being parsed was offered whole and declined: not again
 
     # The base class is called by name, not through super(): these run for every request.
     def data_received(self, data: bytes) -> None:
+        if self._answer_now is not None and data[:1] in b"PG" and self._answered_whole(data):
+            return
         self._read_size = len(data)
+        try:
+            self._parse(data)
+        finally:
+            self._declined = False
+
+    def _parse(self, data: bytes) -> None:
         self._began_in_read = False
         HttpToolsProtocol.data_received(self, data)
         if not self._head_open or self._refusal is not None or self.transport.is_closing():
@@ -119,6 +130,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         HttpToolsProtocol.on_message_begin(self)
+        self._message_open = True
         self._head_open = self._began_in_read = True
         self._streamed = 0
         self._head_bound = self._read_size
@@ -143,7 +155,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._refusal = (431, self._too_large())
                 raise _HeadRefused
         cycle = self.cycle
-        self._defer_task = self._answer_now is not None and self._may_answer_at_once()
+        self._defer_task = self._answer_now is not None and not self._declined and self._may_answer_at_once()
         try:
             HttpToolsProtocol.on_headers_complete(self)
         finally:
@@ -189,6 +201,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         HttpToolsProtocol._start_asgi_task(self, cycle, app)
 
     def on_message_complete(self) -> None:
+        self._message_open = False
         HttpToolsProtocol.on_message_complete(self)
         deferred = self._deferred
         if deferred is None:
@@ -199,41 +212,82 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             HttpToolsProtocol._start_asgi_task(self, cycle, app)
 
     def _answered_at_once(self, cycle: RequestResponseCycle) -> bool:
-        assert self._answer_now is not None
         if cycle.disconnected or self.flow.write_paused:
             return False
-        try:
-            answer = self._answer_now(cycle.scope, bytes(cycle.body))
-        except Exception:  # a bug: logged, and the task serves the request (a 500 if it fails too)
-            log.exception("answering %s at once failed", cycle.scope["path"][:200])
-            return False
+        answer = self._ask(cycle.scope, bytes(cycle.body))
         if answer is None:
             return False
+        self._write_answer(cycle.scope, answer, cycle.keep_alive)
+        cycle.response_started = cycle.response_complete = True
+        cycle.body = bytearray()
+        cycle.on_response()  # uvicorn's on_response_complete: keep-alive timer, the next pipelined request
+        return True
+
+    def _answered_whole(self, data: bytes) -> bool:
+        """`data`, one whole simple request read alone between requests (ui.simple_request),
+        answered at once without the parser: its callbacks, scope and cycle cost a cached hit
+        more than the answer. False, nothing done: the parser reads it as any other."""
+        cycle = self.cycle
+        if self._message_open or self._refusal is not None or self.pipeline or self._deferred is not None:
+            return False
+        flow = self.flow
+        if (cycle is not None and not cycle.response_complete) or flow.write_paused or flow.read_paused:
+            return False
+        limits = self.limits
+        request = read_simple_request(
+            data, max_head_bytes=limits.max_bytes, max_url_bytes=limits.max_url_bytes,
+            max_headers=limits.max_count, max_body_bytes=ANSWER_AT_ONCE_BYTES,
+        )  # fmt: skip
+        if request is None or self.transport.is_closing():
+            return False
+        self._unset_keepalive_if_required()
+        root = self.root_path
+        scope = {
+            "type": "http", "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1", "server": self.server, "client": self.client, "scheme": self.scheme,
+            "root_path": root, "headers": request.headers, "state": self.app_state.copy(),
+            "method": request.method, "path": root + request.path,
+            "raw_path": (root + request.path).encode("ascii"), "query_string": b"",
+        }  # fmt: skip
+        answer = self._ask(scope, request.body)
+        if answer is None:
+            self._declined = True  # the parser's task serves it, without asking again
+            return False
+        self._write_answer(scope, answer, keep_alive=True)
+        self.on_response_complete()  # as the cycle's: counted, keep-alive timer armed
+        return True
+
+    def _ask(self, scope: dict[str, Any], body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        assert self._answer_now is not None
+        try:
+            return self._answer_now(scope, body)  # type: ignore[no-any-return]
+        except Exception:  # a bug: logged, and the task serves the request (a 500 if it fails too)
+            log.exception("answering %s at once failed", scope["path"][:200])
+            return None
+
+    def _write_answer(
+        self, scope: dict[str, Any], answer: tuple[int, list[tuple[bytes, bytes]], bytes], keep_alive: bool
+    ) -> None:
         status, headers, body = answer
         # As uvicorn's RequestResponseCycle.send logs and writes a head and a body with a Content-Length.
         if self.access_log:
-            scope = cycle.scope
-            path = get_path_with_query_string(scope)
-            self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], path,
+            path = get_path_with_query_string(scope)  # type: ignore[arg-type]
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"], path,  # type: ignore[arg-type]
                                     scope["http_version"], status)  # fmt: skip
         content = [STATUS_LINE[status], _default_head(self.server_state.default_headers)]
         chunked = True  # an answer without a length is a stream: sent chunked, in one chunk
         for name, value in headers:
             content.extend((name, b": ", value, b"\r\n"))
             chunked = chunked and name != b"content-length"
-        if not cycle.keep_alive:
+        if not keep_alive:
             content.append(b"connection: close\r\n")
         if chunked:
             content.append(b"transfer-encoding: chunked\r\n")
             body = (b"%x\r\n%b\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
         content.extend((b"\r\n", body))
-        cycle.response_started = cycle.response_complete = True
-        cycle.body = bytearray()
         self.transport.write(b"".join(content))
-        if not cycle.keep_alive:
+        if not keep_alive:
             self.transport.close()
-        cycle.on_response()  # uvicorn's on_response_complete: keep-alive timer, the next pipelined request
-        return True
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's answer to a parser error, which is how a callback's refusal surfaces.

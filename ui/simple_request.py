@@ -1,0 +1,73 @@
+"""A complete, plain HTTP/1.1 request read in one pass, for the server's hit path (ui.limits).
+
+A cached answer costs the server less than uvicorn's parser callbacks: one Python call per
+header, a scope built field by field, a request/response cycle with its asyncio.Event, a
+keep-alive timer cancelled and armed again. When one read holds exactly one whole request of
+the kinds the protocol may answer at once (a small POST to /v2/ or a Gradio call, the GET of a
+call's result), `read_simple_request` takes its head apart with a few bytes operations and two
+compiled patterns. It accepts only a strict subset of what the parser accepts, and reads it the
+same way (lower-case names, values without the surrounding whitespace): anything else (another
+method or path, a query or an escape in the path, HTTP/1.0, obs-fold, non-ASCII or control
+bytes, Transfer-Encoding, Expect, Upgrade, a Connection other than keep-alive, a Content-Length
+missing, repeated or not the body's length, more than one request in the read, a head over the
+server's limits) gives None, and the read goes to the parser as before, which answers or
+refuses it as it always has.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Targets answered at once; a query (`?`), an escape (`%`) or any byte outside these goes to the parser.
+_TARGET = re.compile(rb"/(?:v2/models|gradio_api/call)/[A-Za-z0-9_.\-/]+")
+# A header line: a token, a colon, a value of visible ASCII with inner spaces or tabs.
+_HEADER = re.compile(
+    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*"
+)
+_REFUSED_HEADERS = frozenset((b"transfer-encoding", b"expect", b"upgrade"))
+
+
+@dataclass(frozen=True, slots=True)
+class SimpleRequest:
+    method: str  # "POST" or "GET"
+    path: str  # the target as sent (no query, no escapes)
+    headers: list[tuple[bytes, bytes]]  # lower-case names, as uvicorn's scope holds them
+    body: bytes
+
+
+def read_simple_request(
+    data: bytes, *, max_head_bytes: int, max_url_bytes: int, max_headers: int, max_body_bytes: int
+) -> SimpleRequest | None:
+    """The request that `data` holds whole and alone, when it is simple (see the module); else None."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or end > max_head_bytes:
+        return None
+    lines = data[:end].split(b"\r\n")
+    method, _, rest = lines[0].partition(b" ")
+    target, _, version = rest.partition(b" ")
+    if version != b"HTTP/1.1" or method not in (b"POST", b"GET") or len(target) > max_url_bytes:
+        return None
+    if not _TARGET.fullmatch(target) or len(lines) - 1 > max_headers:
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    length = None
+    for line in lines[1:]:
+        match = _HEADER.fullmatch(line)
+        if match is None:
+            return None
+        name, value = match.group(1).lower(), match.group(2)
+        if name == b"content-length":
+            if length is not None or not value.isdigit() or len(value) > 7:
+                return None
+            length = int(value)
+        elif name in _REFUSED_HEADERS or (name == b"connection" and value.lower() != b"keep-alive"):
+            return None
+        headers.append((name, value))
+    body = data[end + 4 :]
+    if method == b"GET":
+        if body or length:  # a GET with a body, or data after it: the parser's
+            return None
+    elif length is None or length != len(body) or length > max_body_bytes:
+        return None
+    return SimpleRequest(method.decode(), target.decode(), headers, body)
