@@ -466,3 +466,23 @@ def test_refusals_show_in_metrics_the_busiest_clients_and_the_tier_chart(serve) 
     refused = next(trace for trace in figure.data if trace.name.startswith("refused"))
     assert sum(refused.y) == 1
     assert data["per_minute"][0]["total"] == 3  # answers only: a refusal is no answer
+
+
+def test_client_activity_keeps_the_most_recently_seen_clients() -> None:
+    from admin.clients.service import ClientActivity
+
+    now = 1_000_000.0
+    activity = ClientActivity(clock=lambda: now, max_clients=3)
+
+    def seen(client: str, tier: str = "miss") -> None:
+        activity.observe(RequestRecord(
+            at=now, task="text", tier=tier, latency_ms=1.0, status="ok", error_code=None, key_digest=None,
+            model_version="v", generation=0, top_label=None, model_ms=None, route="rest", client=client,
+        ))  # fmt: skip
+
+    for client in ("a", "b", "c"):
+        seen(client)
+    seen("a", "l1")  # a is the most recent now: b goes first
+    seen("d")
+    rows = {row.client: (row.misses, row.hits) for row in activity.busiest(3600)}
+    assert rows == {"a": (1, 1), "c": (1, 0), "d": (1, 0)}

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cachetools import LRUCache
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -50,7 +50,9 @@ class ClientActivity:
         self._keep_s = keep_s
         self._lock = threading.Lock()
         # label -> minute -> [misses, hits, refused]
-        self._clients: LRUCache[str, dict[int, list[int]]] = LRUCache(maxsize=max_clients)
+        # Least recently seen first (an OrderedDict: cachetools' LRUCache costs a hit ~2 us more).
+        self._clients: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
+        self._max_clients = max_clients
         self._refused: dict[tuple[str, str], int] = {}  # (task, route) -> refused misses
 
     def observe(self, record: RequestRecord) -> None:
@@ -67,9 +69,14 @@ class ClientActivity:
                 self._refused[key] = self._refused.get(key, 0) + 1
             if record.client is None:
                 return
-            minutes = self._clients.get(record.client)
+            clients = self._clients
+            minutes = clients.get(record.client)
             if minutes is None:
-                minutes = self._clients[record.client] = {}
+                minutes = clients[record.client] = {}
+                if len(clients) > self._max_clients:
+                    clients.popitem(last=False)
+            else:
+                clients.move_to_end(record.client)
             counts = minutes.get(minute)
             if counts is None:
                 oldest = minute - int(self._keep_s // 60)
