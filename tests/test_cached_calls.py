@@ -55,16 +55,16 @@ def test_a_cached_message_is_answered_as_gradio_answers_it(serve_shortcut) -> No
     url, shortcut = serve_shortcut(models={"text": model})
     with GradioHttpClient(url, timeout_s=30.0) as http:
         miss = http.call("classify_text", ["Where is my parcel?"]).outputs
-        assert miss[1]["tier"] == "miss" and shortcut.answered == 0  # a miss is Gradio's
+        assert miss[1]["tier"] == "miss" and shortcut.answered == 1  # computed here: the queue is empty
         hit = http.call("classify_text", ["Where is my parcel?  "]).outputs
         # The "Use via API" snippet: named parameters, and its GET under /call/v2 too.
         v2 = "/gradio_api/call/v2/classify_text"
         queued = http.http.post(v2, json={"message": "Where is my parcel?"})
         named = parse_event_stream(http.http.get(f"{v2}/{queued.json()['event_id']}").text)
-    assert shortcut.answered == 2 and model.calls == 1
+    assert shortcut.answered == 3 and model.calls == 1
     # The same hit through Gradio's own queue probe (gradio_client speaks the /queue protocol).
     label, info = Client(url + "/", verbose=False).predict("Where is my parcel?", api_name="/classify_text")
-    assert info["tier"] == "l1" and shortcut.answered == 2
+    assert info["tier"] == "l1" and shortcut.answered == 3
     assert hit[0] == miss[0]  # the rendered gr.Label value
     assert label == miss[0]
     assert stable(hit[1]) == {**stable(miss[1]), "tier": "l1"} == stable(info)
@@ -72,16 +72,59 @@ def test_a_cached_message_is_answered_as_gradio_answers_it(serve_shortcut) -> No
     assert stable(named[1][1]) == stable(hit[1])
 
 
-def test_misses_and_bad_input_reach_gradio_with_their_body(serve_shortcut) -> None:
-    url, shortcut = serve_shortcut(models={"text": CountingTextModel()})
+def queued_calls(queue: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The calls pushed into Gradio's `queue` from now on."""
+    pushed: list[Any] = []
+    push = queue.push
+
+    async def counted(body: Any, *args: Any, **kwargs: Any) -> Any:
+        pushed.append(body)
+        return await push(body, *args, **kwargs)
+
+    monkeypatch.setattr(queue, "push", counted)
+    return pushed
+
+
+def test_a_miss_is_computed_here_while_the_queue_is_empty_and_bad_input_reaches_gradio(
+    serve_shortcut, monkeypatch
+) -> None:
+    model = CountingTextModel()
+    url, shortcut = serve_shortcut(models={"text": model})
+    queued = queued_calls(shortcut._blocks._queue, monkeypatch)
     with GradioHttpClient(url, timeout_s=30.0, session_hash="tab-1") as http:
         first = http.call("classify_text", ["a brand new message"])
         empty = http.call("classify_text", ["   "])
+        assert shortcut.answered == 2 and not queued and model.calls == 1  # neither went through the queue
         wrong_shape = http.call("classify_text", ["a", "b"])
-    assert first.outputs[1]["tier"] == "miss"
+    assert first.outputs[1]["tier"] == "miss" and len(queued) == 1
+    # The engine's refusal, as Gradio's queued call streams a gr.Error: its words and title.
     assert empty.event == "error" and "empty" in (empty.error_message or "").lower()
     assert wrong_shape.outputs[1]["tier"] == "miss"  # Gradio ignores the extra item; not ours
-    assert shortcut.answered == 0
+    assert shortcut.answered == 2 and model.calls == 2
+
+
+def test_a_miss_waits_its_turn_in_gradios_queue_when_calls_wait_there(serve_shortcut, monkeypatch) -> None:
+    """Computed here only when Gradio's queue would start the call at once: with calls
+    waiting in it, or its lane full, a miss goes through the queue (no one is overtaken)."""
+    model = CountingTextModel()
+    url, shortcut = serve_shortcut(models={"text": model})
+    queue = shortcut._blocks._queue
+    with GradioHttpClient(url, timeout_s=30.0) as http:
+        with monkeypatch.context() as patched:
+            patched.setattr(type(queue), "__len__", lambda self: 1)  # a call waits in the queue
+            queued = queued_calls(queue, patched)
+            waited = http.call("classify_text", ["a message behind another"])
+        assert shortcut.answered == 0 and len(queued) == 1 and waited.outputs[1]["tier"] == "miss"
+        event = next(fn for fn in shortcut._blocks.fns.values() if fn.api_name == "classify_text")
+        shortcut._computing[event.concurrency_id] = queue.event_queue_per_concurrency_id[
+            event.concurrency_id
+        ].concurrency_limit  # its lane is full
+        full = http.call("classify_text", ["a message while the lane is full"])
+        hit = http.call("classify_text", ["a message behind another"])  # a hit is answered anyway
+        shortcut._computing.clear()
+        computed = http.call("classify_text", ["a message once the lane has room"])
+    assert full.outputs[1]["tier"] == "miss" and hit.outputs[1]["tier"] == "l1"
+    assert computed.outputs[1]["tier"] == "miss" and shortcut.answered == 2 and model.calls == 3
 
 
 def test_a_cached_upload_is_answered_and_only_real_uploads_are_read(
@@ -93,12 +136,12 @@ def test_a_cached_upload_is_answered_and_only_real_uploads_are_read(
         miss = http.call("classify_image", [photo]).outputs
         again = http.upload_file("chelsea.png", photo_bytes("chelsea.png"), "image/png")
         hit = http.call("classify_image", [again]).outputs
-        assert shortcut.answered == 1
+        assert shortcut.answered == 2  # the miss computed here too: the queue was empty
         assert hit[0] == miss[0] and hit[1]["tier"] == "l1" and hit[1]["key"] == miss[1]["key"]
         # A path the app never received: the shortcut leaves it to Gradio, which refuses it.
         forged = dict(again, path=str(Path(__file__).resolve()))
         refused: Reply = http.call("classify_image", [forged])
-    assert refused.status == 400 and shortcut.answered == 1
+    assert refused.status == 400 and shortcut.answered == 2
 
 
 def test_unread_answers_are_bounded(serve_shortcut) -> None:
@@ -154,6 +197,7 @@ def test_a_stream_whose_session_goes_away_ends_cleanly(serve_shortcut, capfd) ->
     raises into a response already started. The client gets the event and a clean end, and
     no traceback is logged."""
     url, shortcut = serve_shortcut(models={"text": CountingTextModel(delay_s=1.0)})
+    shortcut._lane_free = lambda api: False  # the miss goes through Gradio's queue (as when calls wait)
     table = shortcut._blocks._queue.pending_messages_per_session
     capfd.readouterr()
     with httpx.Client(base_url=url, timeout=30) as http:
@@ -215,7 +259,7 @@ def test_a_page_on_another_site_reads_cached_answers(serve_shortcut) -> None:
     finals = [parse_event_stream(text) if not text.startswith("failed") else text for text in results]
     assert [f[0] if isinstance(f, tuple) else f for f in finals] == ["complete"] * 3, results
     assert [f[1][1]["tier"] for f in finals] == ["miss", "l1", "l1"]
-    assert shortcut.answered == 2  # the cached calls, both routes, answered in front of Gradio
+    assert shortcut.answered == 3  # the calls, both routes, answered in front of Gradio (its queue was empty)
 
 
 def _call(sock: socket.socket, message: str) -> tuple[tuple[list[bytes], bytes], tuple[list[bytes], bytes]]:
@@ -253,14 +297,15 @@ def test_a_cached_call_is_answered_at_once_as_through_the_app(make_runtime, monk
         host, port = server.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             miss = _call(sock, "Where is my parcel?")
-            assert shortcut.answered == shortcut.answered_now == 0 and b'"tier": "miss"' in miss[1][1]
+            # The miss is computed by the shortcut in the app's task; its GET is answered at once.
+            assert shortcut.answered == shortcut.answered_now == 1 and b'"tier": "miss"' in miss[1][1]
             hit = _call(sock, "Where is my parcel?")
-            assert shortcut.answered == 1 and shortcut.answered_now == 2  # the POST and the GET
+            assert shortcut.answered == 2 and shortcut.answered_now == 3  # the POST and the GET
         monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", False)  # each new connection
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             through_app = _call(sock, "Where is my parcel?")
         monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", True)
-        assert shortcut.answered == 2 and shortcut.answered_now == 2
+        assert shortcut.answered == 3 and shortcut.answered_now == 3
         assert hit[0][0][0] == b"HTTP/1.1 200 OK" and b"transfer-encoding: chunked" in hit[1][0]
         assert b'"tier": "l1"' in hit[1][1]
         assert [_same_but_volatile(a) for a in hit] == [_same_but_volatile(a) for a in through_app]
@@ -270,7 +315,7 @@ def test_a_cached_call_is_answered_at_once_as_through_the_app(make_runtime, monk
             queued = http.post("/gradio_api/call/classify_text", json={"data": ["Where is my parcel?"]})
             stream = http.get(f"/gradio_api/call/classify_text/{queued.json()['event_id']}")
         assert stream.headers["access-control-allow-origin"] == "http://localhost:3000"
-        assert shortcut.answered == 3 and shortcut.answered_now == 2  # CORS: through the app
+        assert shortcut.answered == 4 and shortcut.answered_now == 3  # CORS: through the app
         metrics = httpx.get(server.url + "/metrics").text
     finally:
         server.close()

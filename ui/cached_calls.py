@@ -27,17 +27,18 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
 import anyio
+import gradio as gr
 import orjson
 from gradio.route_utils import CustomCORSMiddleware
 from gradio.server_messages import UnexpectedErrorMessage
-from gradio.utils import get_heartbeat_rate
+from gradio.utils import error_payload, get_heartbeat_rate
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -46,6 +47,7 @@ from starlette.routing import get_route_path
 from api.repeats import CLIENT_ENTRIES, REPEAT_BODY_BYTES, REPEAT_ENTRIES, Lru
 from engine.capacity.fairness import client_id
 from engine.pipeline.service import InferenceEngine
+from ui.app_ui import user_errors
 from ui.asgi import ASGIApp, Message, Receive, Scope, Send, read_body, replay
 from ui.call_protocol import (
     MAX_BODY_BYTES,
@@ -89,6 +91,9 @@ class CachedApi:
     # The raw input when it is cheap to get on the event loop (a message; an upload of a
     # size read in microseconds), else raising: the probe then runs in a thread.
     raw_input_now: Callable[[Any], Any] | None = None
+    # Gradio's BlockFunction of the event: its queue lane (concurrency id and limit). With
+    # one, a miss is computed here while Gradio's queue would have started it at once.
+    event: Any = None
 
 
 class CachedCalls:
@@ -114,7 +119,7 @@ class CachedCalls:
         self._clock = clock
         self._blocks = gradio_app.get_blocks()
         self._named: dict[str, Any] | None = None  # Gradio's API info per "/<api>", built on first use
-        self._pending: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._pending: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # event id -> its event
         # What a repeated call need not pay again (all bounded LRUs): its body's parsed data,
         # its client's label, and the rendered label of an entry (checked against the entry's
         # prediction: a recomputed answer is rendered anew).
@@ -128,6 +133,7 @@ class CachedCalls:
         # Gradio's login (auth=...) guards these routes; this app sets none, and with one every
         # request goes to Gradio.
         self.enabled = getattr(gradio_app, "auth", None) is None and gradio_app.auth_dependency is None
+        self._computing: Counter[str] = Counter()  # misses computed here now, by Gradio queue lane
         self.answered = 0  # calls answered here (for tests and the curious)
         self.answered_now = 0  # of which by answer_now (POST and GET answered without a task)
 
@@ -174,16 +180,20 @@ class CachedCalls:
 
     async def _post(self, scope: Scope, receive: Receive, send: Send, api_name: str, *, named: bool) -> None:
         messages, body = await read_body(receive, MAX_BODY_BYTES)
-        outputs = None
+        event = None
         if isinstance(body, bytes) and api_name in self._apis:
             api = self._apis[api_name]
             item = self._item(api, self._data(scope, api_name, named, body))
             if item is not NOT_DATA:
-                outputs = await self._cached_outputs(api, item, self._client(scope))
-        if outputs is None:  # not ours to answer: on to the guard and Gradio, as it came
+                client = self._client(scope)
+                if self._lane_free(api):
+                    event = await self._computed(api, item, client)
+                else:
+                    event = await self._cached_event(api, item, client)
+        if event is None:  # not ours to answer: on to the guard and Gradio, as it came
             await self.app(scope, replay(messages, receive), send)
             return
-        await json_response(200, {"event_id": self._queued(outputs)})(send)
+        await json_response(200, {"event_id": self._queued(event)})(send)
 
     def answer_now(self, scope: Scope, body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
         """The whole answer to a complete call request when it can be made at once, without a
@@ -206,7 +216,7 @@ class CachedCalls:
                 return None
             self._delivered.add(route[0])
             self.answered_now += 1
-            return 200, [SSE_CONTENT_TYPE], b"event: complete\ndata: " + entry[1] + b"\n\n"
+            return 200, [SSE_CONTENT_TYPE], entry[1]
         api = self._apis.get(route[0])
         if api is None or api.raw_input_now is None:
             return None
@@ -214,18 +224,16 @@ class CachedCalls:
         result = self._from_memory(api, item, self._client(scope)) if item is not NOT_DATA else None
         if result is None:
             return None
-        try:
-            outputs = self._outputs(api, result)
-        except Exception:  # never a 500 for what Gradio itself can answer
-            log.exception("could not render a cached answer for %s; Gradio answers it", api.task)
+        event = self._complete(api, result)
+        if event is None:
             return None
         self.answered_now += 1
-        return json_answer(200, {"event_id": self._queued(outputs)})
+        return json_answer(200, {"event_id": self._queued(event)})
 
-    def _queued(self, outputs: bytes) -> str:
-        """A new event id whose GET streams `outputs`."""
+    def _queued(self, event: bytes) -> str:
+        """A new event id whose GET streams `event`."""
         event_id = uuid.uuid4().hex
-        self._remember(event_id, outputs)
+        self._remember(event_id, event)
         self.answered += 1
         return event_id
 
@@ -280,7 +288,8 @@ class CachedCalls:
             return None
         return self._engine.classify_from_memory(api.task, raw, route="gradio", client=client)
 
-    async def _cached_outputs(self, api: CachedApi, item: Any, client: str) -> bytes | None:
+    async def _cached_event(self, api: CachedApi, item: Any, client: str) -> bytes | None:
+        """The `complete` event of a cached answer (Gradio's queue probe, done here), or None."""
         result = self._from_memory(api, item, client)
         if result is None:
 
@@ -292,10 +301,59 @@ class CachedCalls:
                 result = await anyio.to_thread.run_sync(probe)
             except Exception:  # ProbeMiss, bad input, anything: Gradio's queued call handles it
                 return None
+        return self._complete(api, result)
+
+    def _lane_free(self, api: CachedApi) -> bool:
+        """Whether Gradio's queue would start a call of `api` at once: nothing waits in it (so
+        no call is overtaken, and neither its size nor a client's share could refuse this one)
+        and the event's lane has room, counting the misses computed here."""
+        queue = self._blocks._queue
+        if api.event is None or queue.stopped or len(queue) or queue.max_size == 0:
+            return False
+        limit = api.event.concurrency_limit
+        if limit == "default":
+            limit = queue.default_concurrency_limit
+        lane = queue.event_queue_per_concurrency_id.get(api.event.concurrency_id)
+        running = self._computing[api.event.concurrency_id] + (lane.current_concurrency if lane else 0)
+        return limit is None or running < limit
+
+    async def _computed(self, api: CachedApi, item: Any, client: str) -> bytes | None:
+        """The event Gradio's queued call would end with, computed here without the queue: its
+        `complete` event, or its `error` event for what the engine refuses (the callback's
+        words, ui.app_ui.user_errors). None for an input only Gradio answers (not a message, a
+        file it did not receive: its guard refuses it)."""
+        result = self._from_memory(api, item, client)
+        if result is not None:
+            return self._complete(api, result)
+        lane = api.event.concurrency_id
+        self._computing[lane] += 1
         try:
-            return self._outputs(api, result)
+            outcome = await anyio.to_thread.run_sync(self._classify, api, item, client)
+        finally:
+            self._computing[lane] -= 1
+        if isinstance(outcome, gr.Error):
+            payload = error_payload(outcome, self._blocks.show_error)
+            return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+        return None if outcome is None else self._complete(api, outcome)
+
+    def _classify(self, api: CachedApi, item: Any, client: str) -> Any:
+        """The engine's answer (a thread: Redis, a file, the model), a gr.Error, or None."""
+        try:
+            raw = api.raw_input(item)
+        except Exception:
+            return None
+        try:
+            with user_errors(probe=False):
+                return self._engine.classify(api.task, raw, client=client)
+        except gr.Error as exc:
+            return exc
+
+    def _complete(self, api: CachedApi, result: Any) -> bytes | None:
+        """The `complete` event of `result`, or None when it cannot be rendered (Gradio answers)."""
+        try:
+            return b"event: complete\ndata: " + self._outputs(api, result) + b"\n\n"
         except Exception:  # never a 500 for what Gradio itself can answer
-            log.exception("could not render a cached answer for %s; Gradio answers it", api.task)
+            log.exception("could not render an answer for %s; Gradio answers it", api.task)
             return None
 
     def _outputs(self, api: CachedApi, result: Any) -> bytes:
@@ -312,9 +370,9 @@ class CachedCalls:
         # json.dumps of a two-item list is its items' dumps joined by ", ".
         return f"[{kept[1]}, {json.dumps(_rendered(info_output, result.cache_info()))}]".encode()
 
-    def _remember(self, event_id: str, outputs: bytes) -> None:
+    def _remember(self, event_id: str, event: bytes) -> None:
         now = self._clock()
-        self._pending[event_id] = (now, outputs)
+        self._pending[event_id] = (now, event)
         while self._pending:
             oldest, (at, _) = next(iter(self._pending.items()))
             if len(self._pending) <= PENDING_CAPACITY and now - at <= PENDING_TTL_S:
@@ -327,7 +385,7 @@ class CachedCalls:
         entry = self._pending.pop(event_id, None)
         if entry is not None:
             self._delivered.add(event_id)
-            await event_stream(b"event: complete\ndata: " + entry[1] + b"\n\n")(send)
+            await event_stream(entry[1])(send)
         elif event_id in self._delivered:
             # Gradio keeps an answered call's session: a second GET waits on it, with heartbeats,
             # and when that client leaves Gradio drops the session (a third GET finds none).

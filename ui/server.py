@@ -162,7 +162,8 @@ def _cached_call_apis(demo: gr.Blocks, engine: Any, max_upload_bytes: int) -> di
         ):
             image = takes_image(model)
             apis[fn.api_name] = CachedApi(task, fn.inputs[0], list(fn.outputs), upload if image else text,
-                                          raw_input_now=small_upload if image else text)  # fmt: skip
+                                          raw_input_now=small_upload if image else text,
+                                          event=fn)  # fmt: skip
     return apis
 
 
