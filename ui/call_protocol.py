@@ -83,15 +83,26 @@ def json_body(scope: Scope, body: bytes) -> Any:
 
 def simple_data(request: Any) -> list[Any] | None:
     """The inputs of a `{"data": [...]}` call (routes.simple_predict_post); None when Gradio
-    would not take the body as it is (its 422), or its session hash is empty (a KeyError in
-    Gradio, refused by the guard)."""
+    would not take the body as it is (its 422), or its session hash is empty or holds a lone
+    surrogate (a KeyError, a 500 in Gradio: refused by the guard)."""
     if request is NOT_JSON:
         return None
     try:
         body = SimplePredictBody.model_validate(request)
     except ValidationError:
         return None
-    return body.data if body.session_hash != "" else None
+    session = body.session_hash
+    if session is not None and (session == "" or not session.isascii() and not _utf8(session)):
+        return None
+    return body.data
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def named_data(endpoint: dict[str, Any] | None, request: Any) -> list[Any] | None:
