@@ -1,4 +1,4 @@
-"""A lean probe for Gradio's two-step HTTP API: cached answers without Gradio's routing and queue.
+"""A lean path for Gradio's two-step HTTP API: answers without Gradio's routing and queue.
 
 `POST /gradio_api/call/<api>` (`{"data": [...]}`) or `POST /gradio_api/call/v2/<api>` (named
 parameters, the snippet of the "Use via API" page), then `GET .../<event_id>`, is how curl,
@@ -8,11 +8,15 @@ whose answer is already cached, from the engine (the same probe Gradio's queue r
 message, or an image that names a file this app's Gradio received through its upload route
 (exactly a path in `Blocks.upload_file_set`). Its outputs are rendered by the event's own
 output components as Gradio renders them, and the GET streams the `complete` event Gradio would.
+A miss is computed here as well while Gradio's queue would start it at once (nothing waits in
+the queue, the event's lane has room): the engine's answer, or the `error` event of the
+callback's gr.Error for what the engine refuses. With calls waiting, a miss waits its turn in
+Gradio's queue (about 9 ms of server CPU a call: the reason for computing it here).
 
 No client can tell it is there. It is a middleware of the mounted Gradio app, inside Gradio's
 own CORS and compression middleware, so its answers carry exactly the headers Gradio's do.
-A call it does not answer (a miss, a body Gradio would refuse or fail on, input the engine
-refuses, any other file reference) goes on as it came, body and all, to the app's guard
+A call it does not answer (a miss while calls wait in the queue, a body Gradio would refuse or
+fail on, any other file reference) goes on as it came, body and all, to the app's guard
 (ui.gradio_guard, which refuses what Gradio would turn into a 500) and Gradio; so does the
 `/queue` protocol of browsers and gradio_client. A second GET of an answered call gets what
 Gradio gives (a stream of heartbeats until the client leaves). An event id or session Gradio

@@ -92,7 +92,7 @@ def simple_data(request: Any) -> list[Any] | None:
     except ValidationError:
         return None
     session = body.session_hash
-    if session is not None and (session == "" or not session.isascii() and not _utf8(session)):
+    if session is not None and (session == "" or (not session.isascii() and not _utf8(session))):
         return None
     return body.data
 
