@@ -190,10 +190,13 @@ class CachedCalls:
             item = self._item(api, self._data(scope, api_name, named, body))
             if item is not NOT_DATA:
                 client = self._client(scope)
-                if self._lane_free(api):
+                result = self._from_memory(api, item, client)
+                if result is not None:
+                    event = self._complete(api, result)
+                elif self._lane_free(api):
                     event = await self._computed(api, item, client)
                 else:
-                    event = await self._cached_event(api, item, client)
+                    event = await self._probed(api, item, client)
         if event is None:  # not ours to answer: on to the guard and Gradio, as it came
             await self.app(scope, replay(messages, receive), send)
             return
@@ -292,19 +295,18 @@ class CachedCalls:
             return None
         return self._engine.classify_from_memory(api.task, raw, route="gradio", client=client)
 
-    async def _cached_event(self, api: CachedApi, item: Any, client: str) -> bytes | None:
-        """The `complete` event of a cached answer (Gradio's queue probe, done here), or None."""
-        result = self._from_memory(api, item, client)
-        if result is None:
+    async def _probed(self, api: CachedApi, item: Any, client: str) -> bytes | None:
+        """The `complete` event of an answer cached beyond this replica's memory (Gradio's queue
+        probe, done here), or None."""
 
-            def probe() -> Any:
-                # What Gradio's queue probe does (an L2 read or a file read may block: a thread).
-                return self._engine.classify(api.task, api.raw_input(item), probe=True, client=client)
+        def probe() -> Any:
+            # What Gradio's queue probe does (an L2 read or a file read may block: a thread).
+            return self._engine.classify(api.task, api.raw_input(item), probe=True, client=client)
 
-            try:
-                result = await anyio.to_thread.run_sync(probe)
-            except Exception:  # ProbeMiss, bad input, anything: Gradio's queued call handles it
-                return None
+        try:
+            result = await anyio.to_thread.run_sync(probe)
+        except Exception:  # ProbeMiss, bad input, anything: Gradio's queued call handles it
+            return None
         return self._complete(api, result)
 
     def _lane_free(self, api: CachedApi) -> bool:
@@ -326,9 +328,6 @@ class CachedCalls:
         `complete` event, or its `error` event for what the engine refuses (the callback's
         words, ui.app_ui.user_errors). None for an input only Gradio answers (not a message, a
         file it did not receive: its guard refuses it)."""
-        result = self._from_memory(api, item, client)
-        if result is not None:
-            return self._complete(api, result)
         lane = api.event.concurrency_id
         self._computing[lane] += 1
         try:
@@ -336,8 +335,7 @@ class CachedCalls:
         finally:
             self._computing[lane] -= 1
         if isinstance(outcome, gr.Error):
-            payload = error_payload(outcome, self._blocks.show_error)
-            return b"event: error\ndata: " + json.dumps(payload).encode() + b"\n\n"
+            return error_event(error_payload(outcome, self._blocks.show_error))
         return None if outcome is None else self._complete(api, outcome)
 
     def _classify(self, api: CachedApi, item: Any, client: str) -> Any:

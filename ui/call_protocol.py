@@ -9,6 +9,7 @@ from __future__ import annotations
 import email.message
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,6 +30,8 @@ REFUSAL_LOG_WINDOW_S = 60.0
 REFUSAL_LOG_CLIENTS = 4096
 NOT_FOUND = str(HTTPException(status_code=404))  # what Gradio's streams say: "404: Not Found"
 NOT_JSON = object()  # a body FastAPI does not parse as JSON for Gradio's routes
+# Text UTF-8 cannot carry: Gradio fails on it with a 500 where it must encode it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 Responder = Callable[[Send], Awaitable[None]]
 
@@ -92,17 +95,9 @@ def simple_data(request: Any) -> list[Any] | None:
     except ValidationError:
         return None
     session = body.session_hash
-    if session is not None and (session == "" or (not session.isascii() and not _utf8(session))):
+    if session is not None and (session == "" or LONE_SURROGATE.search(session)):
         return None
     return body.data
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def named_data(endpoint: dict[str, Any] | None, request: Any) -> list[Any] | None:
@@ -171,6 +166,7 @@ def event_stream(events: bytes) -> Responder:
     return respond
 
 
-def error_event(message: str) -> bytes:
-    """An `error` event of Gradio's call streams (routes.simple_predict_get, process_msg)."""
+def error_event(message: str | dict[str, Any]) -> bytes:
+    """An `error` event of Gradio's call streams (routes.simple_predict_get, process_msg): a
+    message, or a failed call's payload (gradio.utils.error_payload)."""
     return b"event: error\ndata: " + json.dumps(message).encode() + b"\n\n"

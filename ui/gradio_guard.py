@@ -63,14 +63,13 @@ from pydantic import ValidationError
 from starlette.routing import get_route_path
 
 from ui.asgi import TOO_LARGE, ASGIApp, Receive, Scope, Send, read_body, replay, respond
-from ui.call_protocol import RefusalLog, json_response
+from ui.call_protocol import LONE_SURROGATE, RefusalLog, json_response
 
 log = logging.getLogger(__name__)
 
 _PREDICT = re.compile(r"/gradio_api/(queue/join|call/(?!v2/)[^/]+|run/[^/]+|api/[^/]+)/?")
 _CALL_V2 = re.compile(r"/gradio_api/call/v2/([^/]+)/?")
 _COMPONENT_SERVER = re.compile(r"/gradio_api/component_server/?")
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 NOT_AN_UPLOAD = (
     "This app classifies files uploaded to it and does not fetch URLs: POST the file to "
     "/gradio_api/upload and pass the path it answers."
@@ -192,7 +191,7 @@ class GradioGuard:
             return  # Gradio's own 422
         if body.session_hash == "":
             raise Refusal(400, "session_hash must not be empty.")
-        if body.session_hash is not None and _LONE_SURROGATE.search(body.session_hash):
+        if body.session_hash is not None and LONE_SURROGATE.search(body.session_hash):
             raise Refusal(400, "session_hash must be text UTF-8 can carry (it has an unpaired surrogate).")
         fn_index = getattr(body, "fn_index", None)
         if fn_index is not None and kind != "call":
@@ -212,7 +211,7 @@ class GradioGuard:
         # value may come back in its outputs, which Gradio's event stream cannot encode (orjson):
         # the stream breaks with a traceback.
         probed = bool(getattr(fn.fn, "cache", False))
-        if not probed and _LONE_SURROGATE.search(json.dumps(data, ensure_ascii=False, default=str)):
+        if not probed and LONE_SURROGATE.search(json.dumps(data, ensure_ascii=False, default=str)):
             raise Refusal(400, "Inputs must be text UTF-8 can carry (one has an unpaired surrogate).")
         try:
             _check_inputs(fn, data, self._session_blocks(body.session_hash))
