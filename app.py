@@ -3,7 +3,8 @@ listens at once and builds the runtime, with the composition root's `build_runti
 beside this file, and the UI behind a readiness gate).
 
 The heavy imports (torch, gradio, the app's modules) happen in `main`, each timed in the start
-log (common.startup_clock), after malloc's arenas are limited."""
+log (common.startup_clock), after malloc's arenas are limited and with Python's garbage
+collector paused until the app is ready (process_setup)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import functools
 import logging
 
 from common.startup_clock import phase, process_age_s, record
-from process_setup import configure_logging, limit_malloc_arenas
+from process_setup import configure_logging, limit_malloc_arenas, pause_collector, resume_collector
 
 
 def main() -> None:
     limit_malloc_arenas()  # before any thread allocates (see process_setup)
+    pause_collector()  # until start-up is over: it builds ~700,000 objects to keep (see process_setup)
     configure_logging()  # the app's lines at INFO, libraries' at WARNING (see process_setup)
     record("interpreter and logging", process_age_s())
     with phase("import torch"):
@@ -35,7 +37,14 @@ def main() -> None:
     models = ModelsLoading(settings)
     with phase("import gradio and the UI"):
         from ui.server import serve
-    serve(settings, build_runtime=functools.partial(build_runtime, model_factory=models))
+    serve(settings, build_runtime=functools.partial(build_runtime, model_factory=models),
+          on_started=_resume_collector)  # fmt: skip
+
+
+def _resume_collector() -> None:
+    frozen = resume_collector()
+    logging.getLogger("app").info("start-up over: the %d objects it built are kept out of the garbage "
+                                  "collector's scans; the collector runs again", frozen)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from engine.models.remote import RemoteOptions
 from engine.pipeline.service import CachePolicy, InferenceEngine
 from engine.quality.hard_examples import HardExamples
 from engine.sizing.key_sampler import KeySampler
+from process_setup import thaw_collector
 from settings import Settings, usable_cores
 from storage.breaker import CircuitBreaker
 from storage.errors import CacheUnavailableError
@@ -276,6 +277,7 @@ def build_runtime(
         def on_swap(task: str, old: Classifier, _new: Classifier) -> None:
             torch_threads.apply(engine.models.values())  # the new model may run on torch
             release(old)  # a remote model's client and check thread
+            thaw_collector()  # the old model's reference cycles must be collectable (process_setup)
             if warm_set is not None:
                 warm_set.trigger([task])
 

@@ -74,7 +74,11 @@ class GatedStart:
     def __init__(self, make: Callable[[Settings], Runtime]) -> None:
         self.release = threading.Event()
         self.runtimes: list[Runtime] = []
+        self.started_calls = 0  # ServingApp's on_started: once start-up is over (app.py's collector)
         self._make = make
+
+    def started(self) -> None:
+        self.started_calls += 1
 
     def __call__(self, settings: Settings) -> Runtime:
         if not self.release.wait(WAIT_S):
@@ -88,7 +92,7 @@ class GatedStart:
 def gated_server(base_settings: Settings, tmp_path: Path) -> Iterator[tuple[str, GatedStart, ServingApp]]:
     settings = base_settings.changed(server__data_dir=tmp_path / "gated")
     gate = GatedStart(lambda s: build_runtime(s, models={"text": CountingTextModel()}))
-    serving = ServingApp(settings, build_runtime=gate, build_app=build_app)
+    serving = ServingApp(settings, build_runtime=gate, build_app=build_app, on_started=gate.started)
     server = BackgroundServer(serving, port=free_port()).start()
     try:
         yield server.url, gate, serving
@@ -111,9 +115,11 @@ def test_listens_before_models_load_and_is_ready_only_after(gated_server) -> Non
         page = http.get("/")
         assert page.status_code == 200 and 'id="loading-notice"' in page.text
         assert http.post("/gradio_api/call/classify_text", json={"data": ["hi"]}).status_code == 503
+        assert gate.started_calls == 0
 
         gate.release.set()
         poll(lambda: http.get("/readyz").status_code == 200, "/readyz to turn 200")
+        assert gate.started_calls == 1
         assert http.get("/v2/health/ready").status_code == 200
         assert 'id="loading-notice"' not in http.get("/").text
         assert http.get("/docs").status_code == 200  # API paths reach the FastAPI routes
@@ -143,9 +149,10 @@ def test_failed_start_is_reported_not_hidden(base_settings: Settings, tmp_path: 
     def broken(_settings: Settings) -> Runtime:
         raise RuntimeError("weights missing")
 
+    started: list[bool] = []  # on_started, and whether the failure was known by then
     serving = ServingApp(
         base_settings.changed(server__data_dir=tmp_path / "f"), build_runtime=broken, build_app=build_app,
-        on_failure=failures.append,
+        on_failure=failures.append, on_started=lambda: started.append(bool(failures)),
     )  # fmt: skip
     with BackgroundServer(serving, port=free_port()) as server:
         poll(lambda: bool(failures), "the failure callback")
@@ -153,6 +160,7 @@ def test_failed_start_is_reported_not_hidden(base_settings: Settings, tmp_path: 
         assert response.status_code == 503 and response.json()["status"] == "failed"
         assert httpx.get(server.url + "/").status_code == 503
     assert str(failures[0]) == "weights missing"
+    assert started == [True]  # a failed start-up is over too: the collector runs again
 
 
 def test_ready_waits_for_redis_then_shares_it(

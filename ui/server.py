@@ -281,17 +281,24 @@ def serve_runtime(
     return server
 
 
-def serve(settings: Settings, *, build_runtime: Callable[[Settings], Runtime]) -> None:
+def serve(
+    settings: Settings,
+    *,
+    build_runtime: Callable[[Settings], Runtime],
+    on_started: Callable[[], None] | None = None,
+) -> None:
     """Listens at once, builds the runtime (with `build_runtime`, which `app.py` takes from
     the composition root) and the app behind a readiness gate, and blocks until the process
-    is told to stop (SIGINT/SIGTERM handled by uvicorn). Exits non-zero when start-up fails."""
+    is told to stop (SIGINT/SIGTERM handled by uvicorn). Exits non-zero when start-up fails.
+    `on_started` is called once start-up is over, ready or failed (app.py: the collector)."""
     server: uvicorn.Server | None = None
 
     def stop(_failure: BaseException) -> None:
         if server is not None:
             server.should_exit = True
 
-    serving = ServingApp(settings, build_runtime=build_runtime, build_app=build_app, on_failure=stop)
+    serving = ServingApp(settings, build_runtime=build_runtime, build_app=build_app, on_failure=stop,
+                         on_started=on_started)  # fmt: skip
     # Open event streams (a browser tab, a gradio_client) must not hold a redeploy hostage.
     config = uvicorn.Config(
         # Warnings only: ui.startup logs the one "ready: serving on" line a newcomer needs.

@@ -120,6 +120,7 @@ class ServingApp:
         build_runtime: Callable[[Settings], Runtime],
         build_app: Callable[[Runtime], FastAPI],
         on_failure: Callable[[BaseException], None] | None = None,
+        on_started: Callable[[], None] | None = None,
         close_runtime: bool = True,
     ) -> None:
         self._settings = settings
@@ -127,6 +128,7 @@ class ServingApp:
         self._build_runtime = build_runtime
         self._build_app = build_app
         self._on_failure = on_failure
+        self._on_started = on_started  # once start-up is over, ready or failed
         self._app: FastAPI | None = None
         self._gradio: Any = None  # the mounted Gradio app, reached without the API routes
         self._direct: tuple[DirectRoute, ...] = ()
@@ -233,6 +235,9 @@ class ServingApp:
             self.failure = exc
             if self._on_failure is not None:
                 self._on_failure(exc)
+        finally:
+            if self._on_started is not None:
+                self._on_started()
 
     async def _stop(self) -> None:
         if self._starting is not None and not self._starting.done():
