@@ -45,7 +45,7 @@ from PIL import Image
 from schemathesis import GenerationMode
 
 from api.errors import MAX_MESSAGE_CHARS, RequestRefused
-from api.tensors import InferRequest, parse_infer_request
+from api.tensors import InferRequest, json_separators, parse_infer_request
 from engine.inputs import CanonicalImage, canonicalize_image
 from engine.models.base import Prediction
 from runtime import Runtime
@@ -358,6 +358,17 @@ def test_what_tritonclient_sends_parses_back_exactly(request: tuple[bytes, str |
     body, header_length, elements = request
     parsed = parse(body, header_length)
     assert [e.encode() if isinstance(e, str) else e for e in parsed.elements] == elements
+
+
+NEAR_SEPARATORS = b',[{]}"a\x0c\x1b\xdb\xfb'  # the separators, and bytes a bit away from them
+
+
+@fuzz(EXAMPLES)
+@given(data=st.binary(max_size=300) | st.lists(st.sampled_from(NEAR_SEPARATORS), max_size=300).map(bytes))
+def test_the_value_bound_counts_commas_and_opening_brackets(data: bytes) -> None:
+    # The bound that decides whether a body is parsed on the event loop, and refuses one with
+    # too many values: a byte-wise count, whatever the bytes (0xDB, 0xFB: "[", "{" with bit 7 set).
+    assert json_separators(data) == data.count(b",") + data.count(b"[") + data.count(b"{")
 
 
 def test_hostile_bodies_cost_milliseconds() -> None:
