@@ -42,9 +42,9 @@ def main() -> None:
 
 
 def _resume_collector() -> None:
-    frozen = resume_collector()
-    logging.getLogger("app").info("start-up over: the %d objects it built are kept out of the garbage "
-                                  "collector's scans; the collector runs again", frozen)  # fmt: skip
+    frozen = resume_collector()  # after the "ready: open ..." line, which stays the log's last
+    logging.getLogger("app").debug("start-up over: %d objects frozen out of the garbage collector's scans; "
+                                   "the collector runs again", frozen)  # fmt: skip
 
 
 if __name__ == "__main__":
