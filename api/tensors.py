@@ -132,8 +132,8 @@ _COMMA, _OPENING = ord(","), ord("{")  # "[" is "{" without bit 5 (0x5B, 0x7B)
 
 def json_separators(data: bytes) -> int:
     """Commas and opening brackets in `data`: a bound on the values a JSON document holds.
-    Two vectorised compares: 48 us for a 320 KB body with a photo in base64, where
-    `bytes.translate` deleting every other byte took 170 us and three `bytes.count` 270 us."""
+    Two vectorised compares: about 65 us for a 320 KB body holding a photo in base64, where
+    `bytes.translate` deleting the other bytes took about 110 us and three `bytes.count` 270."""
     array = np.frombuffer(data, dtype=np.uint8)
     return int(np.count_nonzero(array == _COMMA)) + int(np.count_nonzero((array | 0x20) == _OPENING))
 
