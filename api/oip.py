@@ -36,6 +36,7 @@ from api.docs import INFER_DOCS, INFER_RESPONSES, INPUT_NAME
 from api.errors import RequestRefused, quote
 from api.repeats import REPEAT_BODY_BYTES, Repeats
 from api.tensors import (
+    MAX_JSON_VALUES,
     OUTPUT_NAMES,
     EncodedOutputs,
     InferRequest,
@@ -74,6 +75,7 @@ INLINE_BINARY_BYTES = 512 * 1024
 # Counting its separators first bounds what orjson may meet there (240 KB of small values cost
 # it up to 4 ms).
 INLINE_JSON_VALUES = 1024
+assert INLINE_JSON_VALUES <= MAX_JSON_VALUES  # an inline body's count also passes the parser's bound
 # A 429 is held this long (or until Retry-After, if sooner) before it is sent: on the event
 # loop it costs nothing, and a client that ignores Retry-After from a few connections is
 # slowed to a few requests a second instead of taking the loop from everyone's hits.
@@ -421,8 +423,10 @@ async def _infer(
     model = _model(engine, task, version)  # before the body: an unknown model costs no read
     body = await read_body(headers, receive, limit=max_body_bytes)
     header_length = headers.get("inference-header-content-length")
-    parse = partial(parse_infer_request, body, header_length, input_name=INPUT_NAME, max_elements=max_batch)
     inline = _inline(body, header_length)
+    # Inline, a large JSON's separators were counted (at most INLINE_JSON_VALUES): not again.
+    parse = partial(parse_infer_request, body, header_length, input_name=INPUT_NAME, max_elements=max_batch,
+                    values_bounded=inline)  # fmt: skip
     if len(body) <= REPEAT_BODY_BYTES:
         parsed = repeats.parsed.get_or_make((body, header_length, max_batch), parse)
     else:

@@ -84,11 +84,18 @@ def _refuse(message: str) -> RequestRefused:
 
 
 def parse_infer_request(
-    body: bytes, header_length: str | None, *, input_name: str, max_elements: int
+    body: bytes,
+    header_length: str | None,
+    *,
+    input_name: str,
+    max_elements: int,
+    values_bounded: bool = False,
 ) -> InferRequest:
-    """Decode an inference request body (JSON, or JSON + binary tensor data)."""
+    """Decode an inference request body (JSON, or JSON + binary tensor data). `values_bounded`:
+    the caller has counted the JSON's separators (`json_separators`) and found at most
+    MAX_JSON_VALUES, so they are not counted again."""
     json_end = _json_end(body, header_length)
-    header = _load_json(body[:json_end])
+    header = _load_json(body[:json_end], values_bounded=values_bounded)
     tensor = _single_input(header, input_name)
     count = _element_count(tensor, input_name, max_elements)
     params = _params(tensor, f"input {input_name!r}")
@@ -138,10 +145,10 @@ def json_separators(data: bytes) -> int:
     return int(np.count_nonzero(array == _COMMA)) + int(np.count_nonzero((array | 0x20) == _OPENING))
 
 
-def _load_json(data: bytes) -> dict[str, Any]:
+def _load_json(data: bytes, *, values_bounded: bool = False) -> dict[str, Any]:
     # A body this short cannot hold more values than the cap (each takes 2 bytes or more):
     # the count is paid only by large bodies, never by a hit's small one.
-    if len(data) > 2 * MAX_JSON_VALUES:
+    if len(data) > 2 * MAX_JSON_VALUES and not values_bounded:
         values = json_separators(data)
         if values > MAX_JSON_VALUES:
             raise _refuse(f"The request's JSON holds too many values (over {MAX_JSON_VALUES:,}); a request "

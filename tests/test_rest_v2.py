@@ -191,6 +191,33 @@ def test_image_binary_and_json_base64(real: Served, photo_bytes) -> None:
     assert np.array_equal(np.float32([s for _, s in engine_answer.prediction.labels]), scores[0])
 
 
+def test_a_large_json_body_is_counted_once(
+    real: Served, photo_bytes: Callable[[str], bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A photo in base64 (a body over 256 KiB, parsed on the event loop): its JSON separators are
+    counted once, to choose the event loop, and not again by the parser (api/oip.py `_infer`)."""
+    import api.oip
+    import api.tensors
+
+    counted: list[int] = []
+    count = api.tensors.json_separators
+
+    def counting(data: bytes) -> int:
+        counted.append(len(data))
+        return count(data)
+
+    monkeypatch.setattr(api.oip, "json_separators", counting)
+    monkeypatch.setattr(api.tensors, "json_separators", counting)
+    photo = base64.b64encode(photo_bytes("chelsea.png")).decode()
+    encoded = json.dumps(json_body([photo], parameters={"content_type": "base64"})).encode()
+    assert 2 * api.tensors.MAX_JSON_VALUES < len(encoded) <= api.oip.INLINE_BINARY_BYTES  # both would count
+    headers = {"content-type": "application/json"}
+    for tier in ("miss", "l1"):
+        response = real.post("/v2/models/image/infer", content=encoded, headers=headers)
+        assert response.status_code == 200 and response.json()["parameters"]["tier"] == tier
+    assert counted == [len(encoded)] * 2
+
+
 def test_a_batch_answers_each_element_through_the_cache(real: Served, photo_bytes) -> None:
     texts = ["I was charged twice for the same order", "I forgot my password and can't log in",
              "Can I talk to a real person please?"]  # fmt: skip
