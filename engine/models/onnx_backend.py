@@ -176,11 +176,14 @@ def load_or_export(plan: Callable[[], ExportPlan], *, name: str, version: str, e
         log.info("exporting %s %s to ONNX (once per model version, then reused; ~%.0f s)…",
                  name, version, export_estimate_s(exported.module))  # fmt: skip
         data = export_bytes(exported, {**metadata(), "model_version": version})
-        # The exporter's traced graphs leave ~400,000 objects in reference cycles (about 80 MB for
-        # the built-ins): freed now, not whenever (or, with app.py's collector paused for the
-        # start-up and what it built frozen, never) a full collection comes.
         del exported
-        gc.collect()
+        if not gc.isenabled():
+            # app.py pauses the collector for the start-up, then freezes what it built: the
+            # exporter's traced graphs (~400,000 objects in reference cycles, ~80 MB for the
+            # built-ins) would be kept for good. A running collector frees them in its young
+            # generations, without a full collection holding the GIL for a second of a large
+            # process (a replica's heartbeats, the event loop).
+            gc.collect()
         log.info("exported %s %s to ONNX in %.1f s (%.0f MB)%s", name, version, time.perf_counter() - started,
                  len(data) / 1e6, f" → {path}" if path is not None else "")  # fmt: skip
         return data
