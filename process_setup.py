@@ -6,7 +6,7 @@ full collection walks all of them again; there were ten at a second start, 1.5 s
 the GIL (up to 0.34 s each), with almost nothing to free (about 20,000 objects). Once the app
 is ready, `resume_collector` freezes what start-up built (`gc.freeze`: kept out of every later
 scan, so a full collection walks only what serving made, not the whole heap) and turns the
-collector on again. A second start: 7.05 → 5.79 s to /readyz, medians of five side by side
+collector on again. A second start: 7.23 → 6.21 s to /readyz, medians of five side by side
 (bench/README.md, "Cold start"). A replaced model may be held in reference cycles (torch's
 modules are), so a model swap thaws the frozen objects (`thaw_collector`): from then on the
 collector works as Python's default does, and frees the old model.
@@ -60,7 +60,7 @@ def pause_collector() -> None:
 
 def resume_collector() -> int:
     """Start-up is over: what it built is frozen out of the collector's scans and the collector
-    runs again. Returns how many objects were frozen (the start log says it)."""
+    runs again. Returns how many objects were frozen (app.py logs it at debug)."""
     gc.freeze()
     gc.enable()
     return gc.get_freeze_count()
