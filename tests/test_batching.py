@@ -137,3 +137,74 @@ def test_under_load_one_pass_at_a_time_and_every_answer_its_own(model: GatedMode
 def test_max_batch_below_two_is_refused(model: GatedModel) -> None:
     with pytest.raises(ValueError):
         MicroBatcher(model, max_batch=1)
+
+
+def wait_for(condition: Any, what: str) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(what)
+
+
+def test_with_two_passes_a_miss_starts_beside_a_running_pass_and_later_ones_share_the_next(
+    model: GatedModel, pool: Any
+) -> None:
+    batcher = MicroBatcher(model, max_batch=8, passes=2)
+    held = [pool.submit(batcher.predict, "hold") for _ in range(2)]  # both passes busy
+    wait_for(lambda: model.running == 2, "two passes never ran at once")
+    waiting = [pool.submit(batcher.predict, text) for text in ("a", "b", "c")]
+    wait_until_queued(batcher, 3)
+    assert model.running == 2  # no third pass
+    model.gate.set()
+    for future in held:
+        assert future.result(10).batch_size == 1
+    assert [f.result(10).prediction.labels for f in waiting] == [(("a", 1.0),), (("b", 1.0),), (("c", 1.0),)]
+    assert ["a", "b", "c"] in model.batches  # the waiting ones shared the next pass
+    assert model.most_running == 2
+
+
+def test_a_full_batch_that_leaves_misses_behind_lets_them_take_the_free_pass(
+    model: GatedModel, pool: Any
+) -> None:
+    batcher = MicroBatcher(model, max_batch=2, passes=2)
+    held = [pool.submit(batcher.predict, "hold") for _ in range(2)]
+    wait_for(lambda: model.running == 2, "two passes never ran at once")
+    texts = [f"m{k}" for k in range(7)]
+    waiting = [pool.submit(batcher.predict, text) for text in texts]
+    wait_until_queued(batcher, len(texts))
+    model.gate.set()
+    # A leader that took a full batch wakes the next one for the free pass: none is left waiting.
+    assert [f.result(10).prediction.labels[0][0] for f in waiting] == texts
+    assert all(len(batch) <= 2 for batch in model.batches)
+    for future in held:
+        future.result(10)
+
+
+def test_under_load_at_most_passes_at_once_and_every_answer_its_own(model: GatedModel, pool: Any) -> None:
+    batcher = MicroBatcher(model, max_batch=4, passes=2)
+    texts = [f"message {k}" * (k % 3 + 1) for k in range(300)]
+    answers = list(pool.map(batcher.predict, texts))
+    assert [a.prediction.labels for a in answers] == [((t, float(len(t))),) for t in texts]
+    assert model.most_running <= 2
+    assert sum(len(batch) for batch in model.batches) == len(texts)
+
+
+@pytest.mark.parametrize(("backend", "passes"), [("onnxruntime", 2), ("torch", 1)])
+def test_a_batching_model_on_onnxruntime_runs_its_miss_limit_of_passes_at_once_and_on_torch_one(
+    model: GatedModel, pool: Any, backend: str, passes: int
+) -> None:
+    from engine.capacity.passes import ModelPasses
+
+    model.batch_misses, model.backend = True, backend  # type: ignore[attr-defined]
+    model_passes = ModelPasses({"text": model}, batch_max_size=8, miss_concurrency={"text": 2},  # type: ignore[dict-item]
+                               on_pass=lambda task, size: None)  # fmt: skip
+    assert model_passes.limits("text")["concurrent_passes"] == passes
+    held = [pool.submit(model_passes.run, model, "hold", f"client{k}") for k in range(2)]
+    queue = model_passes._batchers["text"]._waiting
+    wait_for(lambda: model.running + len(queue) == 2, "the misses never arrived")
+    time.sleep(0.1)  # a second pass, if it may start, has started by now
+    assert model.running == passes
+    model.gate.set()
+    for future in held:
+        assert future.result(10).prediction.labels == (("hold", 4.0),)

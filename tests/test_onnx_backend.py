@@ -313,11 +313,11 @@ class _Served:
 
 
 def test_each_onnx_session_gets_the_cores_divided_among_its_concurrent_passes() -> None:
-    options = LoadOptions(cpu_cores=8, miss_concurrency_cpu=4)
-    assert options.session_threads(_Served()) == 2  # 4 passes at once on 8 cores
-    assert options.session_threads(_Served(batch_misses=True)) == 8  # one batched pass at a time
-    assert LoadOptions(cpu_cores=2, miss_concurrency_cpu=4).session_threads(_Served()) == 1
-    assert LoadOptions().session_threads(_Served()) == 1
+    # Batched or not: an onnxruntime model's batches run up to the miss concurrency at once too.
+    assert LoadOptions(cpu_cores=8, miss_concurrency_cpu=4).session_threads() == 2
+    assert LoadOptions(cpu_cores=8, miss_concurrency_cpu=1).session_threads() == 8
+    assert LoadOptions(cpu_cores=2, miss_concurrency_cpu=4).session_threads() == 1
+    assert LoadOptions().session_threads() == 1
 
 
 def test_torch_keeps_one_thread_only_while_no_cpu_model_runs_on_torch() -> None:

@@ -1,15 +1,24 @@
 """Micro-batching: concurrent misses for one model share one forward pass.
 
-For a model that opts in (`Classifier.batch_misses`), at most one forward pass
-runs at a time; misses that arrive meanwhile wait, and the first of them, when the
-pass ends, runs all that are waiting (up to `max_batch`) as one `predict_batch`
-call. Alone, a miss runs at once: batching never adds a wait to an idle model.
+For a model that opts in (`Classifier.batch_misses`), at most `passes` forward passes run at
+a time (one, unless the model's backend takes several at once: below); misses that arrive
+while they are all busy wait, and the first of them, when a pass ends, runs all that are
+waiting (up to `max_batch`) as one `predict_batch` call. Alone, a miss runs at once: batching
+never adds a wait to an idle model.
 
-Why only some models: on the CPU the text model's per-call cost (Python dispatch
-of the transformer, under the GIL) is about 40 % of a one-message pass, so a batch
-of 2 costs 21 % less per message and 4 costs 36 % less; the image model's cost is
-in its convolutions, so batching gains nothing there and its concurrent passes
+Why only some models: on the CPU the text model's per-call cost (Python dispatch of the
+transformer under the GIL with torch; the weights read from memory with onnxruntime) is a
+large part of a short message's pass, so inputs that share a pass cost less each; the image
+model's cost is in its convolutions, so batching gains nothing there and its concurrent passes
 use both cores better.
+
+Why several passes for onnxruntime (engine.capacity.passes): its session runs passes at once
+(it releases the GIL), and concurrent passes share its intra-op threads, each on the thread
+that called it. Measured on 2 cores (bench.miss_cost, MiniLM, 4 clients): two passes of ~2
+messages at once cost ~15 % less CPU a message than one pass of ~4 on two threads (whose
+small matrix products spend a thread's time on handing work over), and answer sooner, while a
+lone message still gets both threads. Torch keeps one pass: its own thread pool would be
+oversubscribed.
 
 Waiting misses are taken round-robin across clients (engine.capacity.fairness.FairQueue): a
 client's many waiting misses do not fill the next batch ahead of another client's one.
@@ -39,13 +48,14 @@ class BatchedPrediction(NamedTuple):
 
 
 class _Waiter:
-    __slots__ = ("answer", "arrived", "client", "depth", "done", "error", "item")
+    __slots__ = ("answer", "arrived", "client", "depth", "done", "error", "item", "taken")
 
     def __init__(self, item: Any, client: str | None) -> None:
         self.item = item
         self.client = client
         self.arrived = time.perf_counter()
         self.depth = 0  # misses waiting or running when it arrived
+        self.taken = False  # in a batch (running): it only waits for its answer
         self.done = False
         self.answer: BatchedPrediction | None = None
         self.error: BaseException | None = None
@@ -59,12 +69,16 @@ class MicroBatcher:
         model: Classifier,
         *,
         max_batch: int,
+        passes: int = 1,
         on_pass: Callable[[list[str | None], list[str]], None] | None = None,
         waits: QueueWaits | None = None,
     ) -> None:
         if max_batch < 2:
             raise ValueError("max_batch must be >= 2 (1 means: do not batch)")
+        if passes < 1:
+            raise ValueError("passes must be >= 1")
         self._model = model
+        self._passes = passes
         # Told each forward pass's clients (None: the app's own), one per input, and the clients
         # that were waiting when it was formed ("": the app's own): the batch-size histogram and
         # the contended shares (engine.capacity.admission).
@@ -73,31 +87,43 @@ class MicroBatcher:
         self._cond = threading.Condition()
         self._waiting: FairQueue[_Waiter] = FairQueue()
         self._waits = waits  # how long misses waited for their pass (/metrics)
-        self._running = False
+        self._running = 0  # passes running now
 
     @property
     def model(self) -> Classifier:
         return self._model
 
+    @property
+    def passes(self) -> int:
+        """How many forward passes may run at once."""
+        return self._passes
+
     def predict(self, item: Any, client: str | None = None) -> BatchedPrediction:
         """The model's prediction for one canonical input (raises what the model raised)."""
         waiter = _Waiter(item, client)
+        batch: list[_Waiter] | None = None  # the batch this call leads, if it leads one
         with self._cond:
             waiter.depth = len(self._waiting) + self._running
             self._waiting.push(client or "", waiter)
-            # A waiter taken into another's batch has left the queue: it only waits.
-            while not waiter.done and (self._running or self._waiting.peek() is not waiter):
+            while not waiter.taken and (self._running >= self._passes or self._waiting.peek() is not waiter):
                 self._cond.wait()
-            if not waiter.done:
-                self._running = True
+            if waiter.taken:  # in another's batch: it only waits for the answer (the pass's end wakes it)
+                while not waiter.done:
+                    self._cond.wait()
+            else:
+                self._running += 1
                 count = min(self._max_batch, len(self._waiting))
                 competing = self._waiting.clients()
                 batch = [self._waiting.pop() for _ in range(count)]
-        if not waiter.done and self._waits is not None:
-            now = time.perf_counter()
-            for taken in batch:
-                self._waits.record(self._model.task, taken.depth, now - taken.arrived)
-        if not waiter.done:
+                for taken in batch:
+                    taken.taken = True
+                if len(self._waiting) and self._running < self._passes:
+                    self._cond.notify_all()  # a full batch left others behind and a pass is free
+        if batch is not None:
+            if self._waits is not None:
+                now = time.perf_counter()
+                for taken in batch:
+                    self._waits.record(self._model.task, taken.depth, now - taken.arrived)
             try:
                 self._run(batch, competing)
             finally:
@@ -105,7 +131,7 @@ class MicroBatcher:
                     for other in batch:  # only if the pass was interrupted (KeyboardInterrupt...)
                         if not other.done:
                             other.error, other.done = RuntimeError("the forward pass was interrupted"), True
-                    self._running = False
+                    self._running -= 1
                     self._cond.notify_all()
         if waiter.error is not None:
             raise waiter.error

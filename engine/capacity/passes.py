@@ -53,15 +53,22 @@ class ModelPasses:
             self.set_model(task, model)
 
     def set_model(self, task: str, model: Classifier) -> None:
-        """Only models that gain from it batch (see engine.capacity.batching): one pass at a time, the
-        misses that wait meanwhile share the next. The others run up to their limit at once."""
+        """Only models that gain from it batch (see engine.capacity.batching): the misses that wait
+        for a pass share the next. The others run up to their limit at once."""
         max_batch = getattr(model, "max_batch", None) or self._batch_max_size  # MODELS_CONFIG's max_batch
         if max_batch > 1 and getattr(model, "batch_misses", False):
             on_pass = partial(self._record_pass, task)
-            batcher = MicroBatcher(model, max_batch=max_batch, on_pass=on_pass, waits=self._waits)
+            batcher = MicroBatcher(model, max_batch=max_batch, passes=self.batched_passes(task, model),
+                                   on_pass=on_pass, waits=self._waits)  # fmt: skip
             self._batchers[task] = batcher
         else:
             self._batchers.pop(task, None)
+
+    def batched_passes(self, task: str, model: Classifier) -> int:
+        """Concurrent passes of a batching model: its miss limit when onnxruntime serves it (its
+        session takes concurrent passes, each on its caller's thread; engine.capacity.batching),
+        else one (torch's thread pool, a remote server's own batching)."""
+        return self._miss_limits[task] if getattr(model, "backend", "torch") == "onnxruntime" else 1
 
     def admission_limit(self, task: str) -> int:
         """How many requests of a task may be inside the engine at once so that its
@@ -98,8 +105,9 @@ class ModelPasses:
 
     def limits(self, task: str) -> dict[str, Any]:
         """For the batch summary: whether the task batches, its concurrent passes, its admission."""
-        batched = task in self._batchers
-        return {"batched": batched, "concurrent_passes": 1 if batched else self._miss_limits[task],
+        batcher = self._batchers.get(task)
+        passes = self._miss_limits[task] if batcher is None else batcher.passes
+        return {"batched": batcher is not None, "concurrent_passes": passes,
                 "admitted": self.admission_limit(task)}  # fmt: skip
 
     def fairness_state(self) -> dict[str, Any]:

@@ -40,20 +40,24 @@ class LoadOptions:
     # are kept (None: exported in memory at every load, never written).
     backend: str = "torch"
     export_dir: Path | None = None
-    # The cores an ONNX session's passes share: a model that does not batch runs up to
-    # `miss_concurrency_cpu` passes at once (the engine's pass slots), one that batches one.
+    # The cores an ONNX session's passes share: up to `miss_concurrency_cpu` passes at once (the
+    # engine's pass slots; a batching model's batches too: engine.capacity.passes).
     cpu_cores: int = 1
     miss_concurrency_cpu: int = 1
     # `backend: remote` entries (engine.models.remote): timeouts and backoff.
     remote: RemoteOptions = field(default_factory=RemoteOptions)
 
-    def session_threads(self, model: Classifier) -> int:
+    def session_threads(self) -> int:
         """Intra-op threads of one ONNX session: the cores divided among the passes that may
-        run at once. Measured (bench.miss_profile): EfficientNet-Lite0 with 1 thread costs
-        10.5 ms CPU a pass, with 2 threads 12.8 ms CPU for 7.1 ms wall; with as many passes
-        as cores at once, more threads per pass only add that overhead."""
-        passes = 1 if getattr(model, "batch_misses", False) else self.miss_concurrency_cpu
-        return max(1, self.cpu_cores // max(1, passes))
+        run at once (`miss_concurrency_cpu`, batched or not). Measured on 2 cores: EfficientNet-
+        Lite0 with 1 thread costs 10.5 ms CPU a pass, with 2 threads 12.8 ms CPU for 7.1 ms wall;
+        MiniLM (bench.miss_cost's messages, ~19 tokens), two passes of 2 messages at once cost
+        5.7 ms CPU a message on 1 thread each, 6.8 ms on a 2-thread session (and answer later),
+        one message alone 5.9 ms for 5.9 ms wall against 7.4 for 4.5. With as many passes as
+        cores at once, more threads per pass only add that overhead; a lone long message is what
+        gives it up (256 tokens: 71 ms on one thread, 41 on two; MISS_CONCURRENCY_CPU=1 chooses
+        that latency)."""
+        return max(1, self.cpu_cores // max(1, self.miss_concurrency_cpu))
 
 
 def build_model(spec: ModelSpec, options: LoadOptions) -> Classifier:
@@ -69,7 +73,7 @@ def build_model(spec: ModelSpec, options: LoadOptions) -> Classifier:
         # (a built-in that onnxruntime serves from a kept export) builds its torch module only if
         # the export must be made, the probe must be answered by torch or the check fails over to it.
         attach(model, spec.backend or options.backend, export_dir=options.export_dir,
-               threads=options.session_threads(model))  # fmt: skip
+               threads=options.session_threads())  # fmt: skip
         if lazy:
             check_model(model)
     except ModelConfigError:
