@@ -161,13 +161,15 @@ class Models(Group):
         "BATCH_MAX_SIZE", 8, ge=1, shown="`8`",
         description="Most text misses in one shared forward pass; `1`: no batching.",
     )  # fmt: skip
-    # How many misses of one model run at once (models that batch run one pass at a time and
-    # admit at least a full batch), by the device the model is on.
+    # How many misses of one model run at once (a batching model admits at least a full batch; on
+    # torch it runs one pass at a time), by the device the model is on.
     miss_concurrency_cpu: Int = var(
         "MISS_CONCURRENCY_CPU", default_factory=lambda: min(4, usable_cores()), ge=1,
         shown="cores (at most 4)",
-        description="Concurrent forward passes of a model on the CPU that does not batch (a batching model "
-        "runs one pass at a time and admits at least `BATCH_MAX_SIZE` misses to share it).",
+        description="Concurrent forward passes of a model on the CPU (on onnxruntime a batching model's "
+        "batches too; on torch it runs one pass at a time and admits at least `BATCH_MAX_SIZE` misses to "
+        "share it). Each ONNX session gets the cores divided by it: `1` gives one pass every core (a lone "
+        "long input answers sooner, concurrent ones cost more CPU).",
     )  # fmt: skip
     miss_concurrency_cuda: Int = var(
         "MISS_CONCURRENCY_CUDA", MISS_CONCURRENCY_CUDA, ge=1, shown="`4`",
