@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 TOP_K = 5
 
 
@@ -38,6 +40,20 @@ class Prediction:
                 raise ValueError("prediction items must be [str, float]")
             labels.append((name, score))
         return cls(tuple(labels))
+
+
+def top_predictions(logits: np.ndarray, names: Sequence[str], k: int) -> list[Prediction]:
+    """A softmax over each row of `logits` (inputs x classes, float32), then each row's `k` most
+    probable classes, best first (ties: the class listed first). In numpy: torch's dispatch of
+    these few small ops cost ~0.3 ms a miss in a serving process, whose caches the forward pass
+    has just flushed."""
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    order = np.argsort(-probs, axis=1, kind="stable")[:, : min(k, probs.shape[1])]
+    return [
+        Prediction(tuple((names[i], float(row[i])) for i in top.tolist()))
+        for top, row in zip(order, probs, strict=True)
+    ]
 
 
 @runtime_checkable

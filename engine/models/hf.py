@@ -28,7 +28,7 @@ import torch
 
 from engine.errors import InvalidInputError, ModelError, ModelLoadError
 from engine.inputs import CanonicalImage, canonicalize_image
-from engine.models.base import TOP_K, Prediction
+from engine.models.base import TOP_K, Prediction, top_predictions
 from engine.models.device import describe, in_owned_memory, select_device
 from engine.models.onnx_backend import BackendSeam, ExportPlan, NamedOutput
 
@@ -116,12 +116,7 @@ class _Base(BackendSeam):
         self.version = folder_digest(self.folder, self.kind, f"top_k={self.top_k}", "fp32")
 
     def _top(self, logits: torch.Tensor) -> list[Prediction]:
-        probs = torch.softmax(logits.float(), dim=1)
-        top = torch.topk(probs, min(self.top_k, probs.shape[1]), dim=1)
-        return [
-            Prediction(tuple((self.labels[i], float(s)) for i, s in zip(row_i, row_s, strict=True)))
-            for row_i, row_s in zip(top.indices.cpu().tolist(), top.values.cpu().tolist(), strict=True)
-        ]
+        return top_predictions(logits.detach().float().cpu().numpy(), self.labels, self.top_k)
 
     def _check_serving(self) -> None:
         if self._model.training:

@@ -15,7 +15,7 @@ import torch
 
 from engine.errors import ModelError, ModelLoadError
 from engine.inputs import CanonicalImage, canonicalize_image
-from engine.models.base import TOP_K, Prediction
+from engine.models.base import TOP_K, Prediction, top_predictions
 from engine.models.device import describe, select_device
 from engine.models.onnx_backend import BackendSeam, ExportPlan
 
@@ -250,11 +250,5 @@ class ImageClassifier(BackendSeam):
         batch = torch.stack([self.preprocess(image) for image in inputs])
         with torch.inference_mode():
             logits = self._pass({"pixels": batch.to(self._torch_device, dtype=self._dtype)})
-            probs = torch.softmax(logits.float(), dim=1)
-            top = torch.topk(probs, min(self.top_k, probs.shape[1]), dim=1)
-        scores = top.values.cpu().tolist()
-        indices = top.indices.cpu().tolist()
-        return [
-            Prediction(tuple((self.categories[i], float(s)) for i, s in zip(row_i, row_s, strict=True)))
-            for row_i, row_s in zip(indices, scores, strict=True)
-        ]
+            values = logits.float().cpu().numpy()
+        return top_predictions(values, self.categories, self.top_k)

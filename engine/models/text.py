@@ -26,7 +26,7 @@ import yaml
 
 from engine.errors import ModelLoadError
 from engine.inputs import CanonicalText, clean_text
-from engine.models.base import TOP_K, Prediction
+from engine.models.base import TOP_K, Prediction, top_predictions
 from engine.models.device import describe, in_owned_memory, select_device
 from engine.models.onnx_backend import BackendSeam, ExportPlan, NamedOutput
 
@@ -232,15 +232,7 @@ class TextClassifier(BackendSeam):
             return []
         embeddings = self._embed([item.text for item in inputs])
         logits = embeddings @ self._centroids.T / np.float32(self.intents.temperature)
-        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs /= probs.sum(axis=1, keepdims=True)
-        k = min(self.top_k, probs.shape[1])
-        top = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # ties: the intent listed first
-        names = self.intents.names
-        return [
-            Prediction(tuple((names[i], float(row[i])) for i in order.tolist()))
-            for order, row in zip(top, probs, strict=True)
-        ]
+        return top_predictions(logits, self.intents.names, self.top_k)
 
 
 def l2_normalized(rows: np.ndarray) -> np.ndarray:
