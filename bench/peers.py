@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bench.models import image_forward, tokenize
-from engine.models.base import TOP_K, Prediction
+from engine.models.base import TOP_K, Prediction, top_predictions
 from settings import Settings
 
 RECIPE_LRU_SIZE = 128
@@ -70,10 +70,8 @@ def counting(models: Mapping[str, Any]) -> dict[str, CountingModel]:
 
 def image_top5(model: Any, tensor: torch.Tensor) -> Prediction:
     """What `predict_batch` answers, from an already transformed image."""
-    probs = torch.softmax(image_forward(model, tensor.unsqueeze(0)).float(), dim=1)
-    top = torch.topk(probs, TOP_K, dim=1)
-    pairs = zip(top.indices[0].tolist(), top.values[0].tolist(), strict=True)
-    return Prediction(tuple((model.categories[i], float(s)) for i, s in pairs))
+    logits = image_forward(model, tensor.unsqueeze(0)).float().cpu().numpy()
+    return top_predictions(logits, model.categories, TOP_K)[0]
 
 
 def md5_key(tensor: torch.Tensor) -> str:
