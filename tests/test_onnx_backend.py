@@ -91,6 +91,22 @@ def test_concurrent_passes_on_one_session_are_each_right(real_models: dict[str, 
     assert_same([alone[i % len(photos)] for i in range(12)], answers)
 
 
+def test_text_misses_in_concurrent_batched_passes_are_each_right(make_runtime, real_models: dict[str, Any]
+                                                                 ) -> None:  # fmt: skip
+    """Through the engine, 6 clients' new messages: the text model's batches run two at a time
+    on its session (one thread each), every answer the message's own, as computed alone."""
+    runtime = make_runtime(models=real_models, redis__url="off", fairness__client_miss_rate=0.0,
+                           models__miss_concurrency_cpu=2)  # fmt: skip
+    text = real_models["text"]
+    messages = [f"{m} (case {k})" for k in range(4) for m in HELD_OUT_MESSAGES]
+    alone = {m: text.predict_batch([text.canonicalize(m)])[0] for m in messages}
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(lambda m: runtime.engine.classify("text", m), messages))
+    assert_same([alone[m] for m in messages], [r.prediction for r in results])
+    summary = runtime.engine.batch_summary()["text"]
+    assert summary["concurrent_passes"] == 2 and summary["max_size"] >= 2  # misses did share passes
+
+
 def test_the_backend_is_shown_in_cache_info_readyz_and_metrics(serve, real_models: dict[str, Any]) -> None:
     url, runtime = serve(models=real_models, redis__url="off")
     result = runtime.engine.classify("text", "where is my parcel")
