@@ -1,10 +1,9 @@
 """Queue places per client (ui.queue_shares): a flood of calls from one address, abandoned
 (never fetched), leaves room in Gradio's queue for everyone else. Real models, default
 settings, the app served over HTTP; the flood and the visitor come from different loopback
-addresses, as two people would. The text model runs one pass at a time (MISS_CONCURRENCY_CPU=1),
-so that the flood outpaces it as it would a busier server's: with two passes at once it
-keeps up with this flood on 2 cores, answering every call in its POST, and the queue is never
-reached."""
+addresses, as two people would. A pass that holds a flood message takes a quarter of a second
+longer, as on a busier server: the real model keeps up with this flood on 2 cores (every call
+answered in its POST), and the queue would never be reached."""
 
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import httpx
 import pytest
@@ -25,6 +25,7 @@ from ui.server import QUEUE_MAX_SIZE, serve_runtime
 
 FLOODER, VISITOR = "127.0.0.2", "127.0.0.3"
 FLOOD_THREADS = 24
+FLOOD_PASS_DELAY_S = 0.25
 CALL = "/gradio_api/call/classify_text"
 
 
@@ -35,12 +36,27 @@ def test_a_share_leaves_room_for_a_newcomer_whatever_the_number_of_clients() -> 
     assert share_of_places(QUEUE_MAX_SIZE, 0) == QUEUE_MAX_SIZE // 2  # alone: half the queue
 
 
+class SlowFloodPasses:
+    """The real text model; a pass with a flood message in it waits FLOOD_PASS_DELAY_S first."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def predict_batch(self, inputs: Sequence[Any]) -> Any:
+        if any(item.text.startswith("flood ") for item in inputs):
+            time.sleep(FLOOD_PASS_DELAY_S)
+        return self._model.predict_batch(inputs)
+
+
 @pytest.fixture
 def default_server(make_runtime, real_models) -> Iterator[tuple[str, Runtime]]:
     defaults = Settings.from_env({})
-    runtime = make_runtime(models=real_models, fairness__client_miss_rate=defaults.fairness.client_miss_rate,
-                           fairness__client_miss_burst=defaults.fairness.client_miss_burst,
-                           models__miss_concurrency_cpu=1)  # fmt: skip
+    models = {**real_models, "text": SlowFloodPasses(real_models["text"])}
+    runtime = make_runtime(models=models, fairness__client_miss_rate=defaults.fairness.client_miss_rate,
+                           fairness__client_miss_burst=defaults.fairness.client_miss_burst)  # fmt: skip
     server = serve_runtime(runtime, port=free_port())
     yield server.url, runtime
     server.close()
