@@ -4,9 +4,9 @@ Each intent is the L2-normalised centroid of its example phrases' embeddings;
 scores are a softmax over cosine similarity to each centroid, with a temperature.
 
 Only the transformer runs on the backend (torch or onnxruntime, `_pass`); tokens, pooling and
-scores are numpy on the CPU: a few microsecond-sized array operations where torch's dispatch
-of each small op cost ~0.4 ms a miss beside a ~6 ms onnxruntime pass (measured in a serving
-process, whose caches the pass has just cleared).
+scores are numpy on the CPU (engine.models.base.top_predictions): a few microsecond-sized array
+operations where torch's dispatch of each small op cost ~0.55 ms a message beside a ~6 ms
+onnxruntime pass (measured in a serving process, whose caches the pass has just cleared).
 """
 
 from __future__ import annotations
