@@ -19,6 +19,7 @@ unavailable). Readiness before the models load is the app's gate, not this route
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -342,7 +343,9 @@ def _answer_now(
     except RequestRefused:
         return None
     client = repeats.client((scope.get("client") or ("",))[0])
-    result = engine.classify_from_memory(task, raw, route=ROUTE, client=client)
+    # The server's protocol writes the answer as soon as this returns (ui.limits): the hit's
+    # bookkeeping runs on the event loop right after, while the client reads it.
+    result = engine.classify_from_memory(task, raw, route=ROUTE, client=client, defer=_after_answer())
     if result is None:
         return None
     if version is not None and result.model_version != version:  # counted: refused here, as _infer does
@@ -351,6 +354,14 @@ def _answer_now(
         return _answer_of(404, _error_body(message), _JSON)
     return _answered(*encode_infer_response(_response_header(task, parsed, [result]),
                                             _encoded_outputs(repeats, parsed, [result])))  # fmt: skip
+
+
+def _after_answer() -> Callable[..., object] | None:
+    """The running event loop's `call_soon`; None outside one (the work is then done at once)."""
+    try:
+        return asyncio.get_running_loop().call_soon
+    except RuntimeError:
+        return None
 
 
 def _error_body(message: str) -> bytes:

@@ -637,3 +637,32 @@ def test_a_memory_answer_comes_only_from_l1_and_is_logged(make_runtime, redis_se
     assert engine.classify_from_memory("text", "", route="rest") is None  # bad input: classify's to refuse
     assert engine.classify_from_memory("nope", "x", route="rest") is None
     assert model.calls == 1 and len(records) == 3
+
+
+def test_a_memory_answer_hands_its_bookkeeping_to_defer(make_runtime) -> None:
+    """With `defer` (the REST door passes its event loop's call_soon), a memory hit's count,
+    key observation and request record wait until the deferred work runs, then happen
+    exactly once, as without it; nothing is deferred for a miss."""
+    records, observed, deferred = [], [], []
+    runtime = make_runtime(models={"text": CountingTextModel()}, redis__url="off")
+    engine = runtime.engine
+    engine.add_listener(records.append)
+    engine.observe_keys(lambda task, key, value, tier: observed.append((key, tier)))
+
+    def defer(function, *args) -> None:
+        deferred.append((function, args))
+
+    assert engine.classify_from_memory("text", "deferred question", route="rest", defer=defer) is None
+    assert deferred == []
+    first = engine.classify("text", "deferred question")
+    hits_before, records_before, observed_before = engine.counters().hits_l1, len(records), len(observed)
+    hit = engine.classify_from_memory("text", "deferred question", route="rest", defer=defer)
+    assert hit is not None and hit.tier == "l1" and hit.key == first.key
+    assert (engine.counters().hits_l1, len(records), len(observed)) == (hits_before, records_before,
+                                                                         observed_before)  # fmt: skip
+    assert deferred, "nothing was deferred"
+    for function, args in deferred:
+        function(*args)
+    assert engine.counters().hits_l1 == hits_before + 1
+    assert [(r.route, r.tier) for r in records[records_before:]] == [("rest", "l1")]
+    assert observed[observed_before:] == [(first.key, "l1")]

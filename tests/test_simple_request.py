@@ -15,10 +15,10 @@ import pytest
 from runtime import Runtime
 from testing.raw_http import exchange
 from tests.conftest import CountingTextModel, free_port
-from ui import limits
+from ui import simple_request
 from ui.limits import LimitedHttpToolsProtocol
 from ui.server import serve_runtime
-from ui.simple_request import read_simple_request
+from ui.simple_request import SimpleRequestReader, read_simple_request
 
 BODY = json.dumps({"inputs": [{"name": "input", "shape": [1], "datatype": "BYTES",
                                "data": ["read whole"]}]}).encode()  # fmt: skip
@@ -86,6 +86,36 @@ def test_a_plain_request_is_read_as_the_parser_reads_it() -> None:
 )  # fmt: skip
 def test_anything_else_goes_to_the_parser(data: bytes) -> None:
     assert read_simple_request(data, **LIMITS) is None
+    reader = SimpleRequestReader(**LIMITS)  # after a simple request, whose head it keeps
+    assert reader.read(post()) is not None and reader.read(data) is None
+
+
+def test_a_repeated_head_is_taken_apart_once_and_every_body_checked(monkeypatch) -> None:
+    heads = []
+    real = simple_request._read_head
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        heads.append(args[0][:40])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(simple_request, "_read_head", counted)
+    reader = SimpleRequestReader(**LIMITS)
+    data = post(headers=b"X-Forwarded-For: 10.0.0.7\r\n")
+    first, second = reader.read(data), reader.read(data)
+    assert first is not None and first == second == read_simple_request(data, **LIMITS)
+    assert len(heads) == 2  # once by the reader, once by read_simple_request
+    assert first.headers is not second.headers  # each request's scope has a list of its own
+    same_length = BODY.replace(b"read whole", b"read other")
+    same_head = post(headers=b"X-Forwarded-For: 10.0.0.7\r\n", body=same_length)
+    assert reader.read(same_head).body == same_length
+    assert reader.read(data[:-1]) is None  # the same head, a body short of its length
+    assert reader.read(data + b"x") is None  # or longer
+    assert len(heads) == 2
+    other = post(b"/v2/models/other/infer")
+    assert reader.read(other).path == "/v2/models/other/infer"
+    assert reader.read(data) == first and len(heads) == 4  # another head, then the first again
+    get = b"GET /gradio_api/call/f/1 HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert reader.read(get).method == "GET" and reader.read(get + b"{}") is None
 
 
 @pytest.fixture
@@ -129,14 +159,14 @@ def test_a_server_answers_each_request_alike_read_whole_or_parsed(served, monkey
     url, runtime = served
     host, port = url.removeprefix("http://").split(":")
     taken: list[bool] = []
-    real = limits.read_simple_request
+    real = SimpleRequestReader.read
 
-    def spy(data: bytes, **kwargs: Any) -> Any:
-        request = real(data, **kwargs)
+    def spy(reader: SimpleRequestReader, data: bytes) -> Any:
+        request = real(reader, data)
         taken.append(request is not None)
         return request
 
-    monkeypatch.setattr(limits, "read_simple_request", spy)
+    monkeypatch.setattr(SimpleRequestReader, "read", spy)
     answers: dict[bool, list[Any]] = {}
     for at_once in (True, False):
         monkeypatch.setattr(LimitedHttpToolsProtocol, "answer_at_once", at_once)

@@ -35,7 +35,7 @@ from api.body import byte_count
 from settings import Settings
 from ui.asgi import ASGIApp, Message, Receive, Scope, Send, respond
 from ui.call_protocol import RefusalLog
-from ui.simple_request import read_simple_request
+from ui.simple_request import SimpleRequestReader
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         # The app's `answer_now(scope, body)` (ui.startup.ServingApp), if it has one.
         self._answer_now = getattr(self.app, "answer_now", None) if self.answer_at_once else None
+        limits = self.limits
+        self._simple_requests = SimpleRequestReader(
+            max_head_bytes=limits.max_bytes, max_url_bytes=limits.max_url_bytes, max_headers=limits.max_count,
+            max_body_bytes=ANSWER_AT_ONCE_BYTES,
+        )  # fmt: skip
         self._defer_task = False  # set while on_headers_complete runs for a request that may qualify
         self._deferred: tuple[RequestResponseCycle, Any] | None = None  # its cycle and app, body pending
         self._head_open = False  # a request has begun and its headers are not complete
@@ -233,11 +238,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         flow = self.flow
         if (cycle is not None and not cycle.response_complete) or flow.write_paused or flow.read_paused:
             return False
-        limits = self.limits
-        request = read_simple_request(
-            data, max_head_bytes=limits.max_bytes, max_url_bytes=limits.max_url_bytes,
-            max_headers=limits.max_count, max_body_bytes=ANSWER_AT_ONCE_BYTES,
-        )  # fmt: skip
+        request = self._simple_requests.read(data)
         if request is None or self.transport.is_closing():
             return False
         self._unset_keepalive_if_required()

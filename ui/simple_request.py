@@ -42,6 +42,56 @@ def read_simple_request(
     end = data.find(b"\r\n\r\n")
     if end < 0 or end > max_head_bytes:
         return None
+    head = _read_head(data, end, max_url_bytes=max_url_bytes, max_headers=max_headers)
+    return None if head is None else head.request(data[end + 4 :], max_body_bytes)
+
+
+class SimpleRequestReader:
+    """`read_simple_request` for one connection, with its limits: a client that repeats a
+    request (the cached hits of a machine client) sends the same head each time, which is
+    taken apart once; the body is checked against it every time."""
+
+    __slots__ = ("_head", "_limits", "_taken")
+
+    def __init__(
+        self, *, max_head_bytes: int, max_url_bytes: int, max_headers: int, max_body_bytes: int
+    ) -> None:
+        self._limits = (max_head_bytes, max_url_bytes, max_headers, max_body_bytes)
+        self._head = b""  # the last simple head read, and what it holds
+        self._taken: _Head | None = None
+
+    def read(self, data: bytes) -> SimpleRequest | None:
+        max_head_bytes, max_url_bytes, max_headers, max_body_bytes = self._limits
+        end = data.find(b"\r\n\r\n")
+        if end < 0 or end > max_head_bytes:
+            return None
+        taken = self._taken
+        if taken is None or end != len(self._head) or not data.startswith(self._head):
+            taken = _read_head(data, end, max_url_bytes=max_url_bytes, max_headers=max_headers)
+            if taken is None:
+                return None
+            self._head, self._taken = data[:end], taken
+        return taken.request(data[end + 4 :], max_body_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    method: bytes
+    path: str
+    headers: tuple[tuple[bytes, bytes], ...]
+    length: int | None  # Content-Length
+
+    def request(self, body: bytes, max_body_bytes: int) -> SimpleRequest | None:
+        if self.method == b"GET":
+            if body or self.length:  # a GET with a body, or data after it: the parser's
+                return None
+        elif self.length is None or self.length != len(body) or self.length > max_body_bytes:
+            return None
+        # A list of its own for each request, as uvicorn's scope has.
+        return SimpleRequest(self.method.decode(), self.path, list(self.headers), body)
+
+
+def _read_head(data: bytes, end: int, *, max_url_bytes: int, max_headers: int) -> _Head | None:
     first = data.find(b"\r\n", 0, end + 2)
     method, _, rest = data[:first].partition(b" ")
     target, _, version = rest.partition(b" ")
@@ -64,10 +114,4 @@ def read_simple_request(
         elif name in _REFUSED_HEADERS or (name == b"connection" and value.lower() != b"keep-alive"):
             return None
         headers.append((name, value))
-    body = data[end + 4 :]
-    if method == b"GET":
-        if body or length:  # a GET with a body, or data after it: the parser's
-            return None
-    elif length is None or length != len(body) or length > max_body_bytes:
-        return None
-    return SimpleRequest(method.decode(), target.decode(), headers, body)
+    return _Head(method, target.decode(), tuple(headers), length)

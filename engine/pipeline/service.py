@@ -45,6 +45,9 @@ from storage.redis.store import RedisStore
 
 log = logging.getLogger(__name__)
 
+# `defer(function, *args)`: runs the function later, in order (an event loop's `call_soon`).
+Defer = Callable[..., object]
+
 class InferenceEngine:
     """Classifies through the tiered cache. Thread-safe; one per process."""
 
@@ -237,11 +240,16 @@ class InferenceEngine:
         self._answer_hooks.append(hook)
 
     def classify_from_memory(
-        self, task: str, raw: Any, *, route: str, client: str | None = None
+        self, task: str, raw: Any, *, route: str, client: str | None = None, defer: Defer | None = None
     ) -> ClassifyResult | None:
         """The answer when this replica's memory (L1) holds it, else None; never blocks (no
         Redis, no model, no decode), so an event loop may call it for a small input. A hit
-        is logged and counted as `classify` would; anything else is left to `classify`."""
+        is logged and counted as `classify` would; anything else is left to `classify`.
+
+        `defer(function, *args)` (an event loop's `call_soon`), when given, takes the hit's
+        bookkeeping (its count, the key sampler, shadow verification, the request record for
+        the log, metrics and console, the answer hooks): it then runs once the caller has
+        sent the answer, so the client waits for the lookup alone."""
         started = time.perf_counter()
         model = self._models.get(task)
         if model is None:
@@ -250,10 +258,13 @@ class InferenceEngine:
         # An unavailable budget keeps every lookup in L1; a probe never writes L2, so the
         # write batch (whose last request out sends the waiting writes) is not entered.
         try:
-            result = self._classify(task, model, raw, generation, True, started, L2Budget(False))
+            result = self._classify(task, model, raw, generation, True, started, L2Budget(False), defer=defer)
         except (ProbeMiss, InvalidInputError):
             return None
-        self._answered(task, result, raw, route, client)
+        if defer is None:
+            self._answered(task, result, raw, route, client)
+        else:
+            defer(self._answered, task, result, raw, route, client)
         return result
 
     def close(self) -> None:
@@ -391,6 +402,7 @@ class InferenceEngine:
         *,
         quiet: bool = False,  # a warm-up's request: no hit/miss counted, no shadow sample
         client: str | None = None,
+        defer: Defer | None = None,  # classify_from_memory's
     ) -> ClassifyResult:
         raw_key = str(CacheKey(self._policy.prefix, f"{task}-raw", model.version, generation,
                                raw_digest(raw)))  # fmt: skip
@@ -456,12 +468,10 @@ class InferenceEngine:
         if pending_alias is not None and not pending_alias.sent:
             self._tiers.write_l2([pending_alias], budget)
         if not quiet:  # a warm-up's request is neither sampled nor counted as a hit or a miss
-            if self._shadow is not None and tier in ("l1", "l2"):
-                self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
-            if self._key_observer is not None:
-                self._key_observer(task, key, cached, tier)
-            self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses",
-                         "coalesced": "coalesced"}[tier])  # fmt: skip
+            if defer is None:
+                self._note_use(task, key, cached, tier, raw, canonical)
+            else:
+                defer(self._note_use, task, key, cached, tier, raw, canonical)
         now = self._clock()
         return ClassifyResult(
             prediction=cached.prediction,
@@ -539,6 +549,14 @@ class InferenceEngine:
             return result, "miss", elapsed * 1000.0
 
     # ---- bookkeeping ------------------------------------------------------
+
+    def _note_use(self, task: str, key: str, cached: Any, tier: str, raw: Any, canonical: Any) -> None:
+        """One answered use of `key`: offered to shadow verification, observed, counted."""
+        if self._shadow is not None and tier in ("l1", "l2"):
+            self._shadow.offer(task, key, cached, raw, canonical)  # a random draw unless sampled
+        if self._key_observer is not None:
+            self._key_observer(task, key, cached, tier)
+        self._count({"l1": "hits_l1", "l2": "hits_l2", "miss": "misses", "coalesced": "coalesced"}[tier])
 
     def _count_pass(self, task: str, size: int) -> None:
         with self._counter_lock:
