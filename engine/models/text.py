@@ -28,13 +28,18 @@ from engine.errors import ModelLoadError
 from engine.inputs import CanonicalText, clean_text
 from engine.models.base import TOP_K, Prediction, top_predictions
 from engine.models.device import describe, in_owned_memory, select_device
-from engine.models.onnx_backend import BackendSeam, ExportPlan, NamedOutput
+from engine.models.onnx_backend import BackendSeam, ExportPlan, OnnxForward
 
 log = logging.getLogger(__name__)
 
 DEFAULT_INTENTS_PATH = Path(__file__).resolve().parent.parent / "data" / "intents.yaml"
 MAX_TOKENS = 256  # the sequence length all-MiniLM-L6-v2 was trained with
 POOLING = "mean"
+# The exported graph's inputs: rows of tokens, each holding one or more texts (see SegmentedEncoder).
+GRAPH_INPUTS = ("input_ids", "position_ids", "segment_ids")
+# A packed row holds texts up to this many tokens in all (or one longer text): every token of a
+# row attends to the row's every token before the mask, so a longer row wastes more of a pass.
+PACKED_ROW_TOKENS = 128
 
 
 def default_model_dir() -> Path:
@@ -149,13 +154,14 @@ class TextClassifier(BackendSeam):
     def _centroids(self, centroids: np.ndarray) -> None:
         self._centroid_values = centroids
 
-    export_state_keys = ("centroids",)
+    # "layout": an export made before its graph took packed rows (GRAPH_INPUTS) is made again, once.
+    export_state_keys = ("centroids", "layout")
 
     def export_state(self) -> dict[str, str]:
         values = np.ascontiguousarray(self._centroids, dtype=np.float32)
         encoded = base64.b64encode(values.tobytes()).decode()
         doc = {"version": self.version, "shape": list(values.shape), "float32": encoded}
-        return {"centroids": json.dumps(doc)}
+        return {"centroids": json.dumps(doc), "layout": "segments"}
 
     def adopt_export_state(self, metadata: Mapping[str, str] | None) -> bool:
         if metadata is None:
@@ -190,25 +196,77 @@ class TextClassifier(BackendSeam):
 
     def _embed(self, texts: Sequence[str], *, on_torch: bool = False) -> np.ndarray:
         """L2-normalised mean-pooled embeddings (texts x hidden, float32)."""
+        session = None if on_torch else self._onnx
+        if isinstance(session, OnnxForward) and "segment_ids" in session.inputs:
+            try:
+                return self._embed_packed(session, texts)
+            except Exception as exc:
+                if not self._fallback:  # the probe: a failure must show
+                    raise
+                log.warning("%s: onnxruntime failed on a pass (%s: %s); torch answered it",
+                            self.name, type(exc).__name__, str(exc)[:200])  # fmt: skip
+                on_torch = True
         encoded = self._tokenizer(
             list(texts), padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="np"
         )
-        tensors = {name: torch.from_numpy(values).to(self._torch_device) for name, values in encoded.items()}
+        mask = encoded["attention_mask"]
+        # The graph's inputs too (a remote server's model is the export): a row of one text.
+        positions = np.repeat(np.arange(mask.shape[1], dtype=np.int64)[None, :], mask.shape[0], axis=0)
+        arrays = {**encoded, "position_ids": positions, "segment_ids": mask}
+        tensors = {name: torch.from_numpy(values).to(self._torch_device) for name, values in arrays.items()}
         with torch.inference_mode():
             hidden = self._torch_pass(tensors) if on_torch else self._pass(tensors)
             hidden_values = hidden.float().cpu().numpy()
-        mask = encoded["attention_mask"].astype(np.float32)[:, :, None]
-        pooled = (hidden_values * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1e-9)
+        weights = mask.astype(np.float32)[:, :, None]
+        pooled = (hidden_values * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
         return l2_normalized(pooled)
 
+    def _embed_packed(self, session: OnnxForward, texts: Sequence[str]) -> np.ndarray:
+        """`_embed` on the exported graph, several texts to a row and no padding between them:
+        a batch of short messages padded to its longest spends a pass on padding (a tenth to a
+        fifth of it for support messages of 9-27 tokens), and one row of them makes larger
+        matrix products. Each text's hidden states are those it has alone (SegmentedEncoder)."""
+        ids = self._tokenizer(list(texts), truncation=True, max_length=MAX_TOKENS)["input_ids"]
+        rows = packed_rows([len(one) for one in ids], PACKED_ROW_TOKENS)
+        width = max(sum(len(ids[i]) for i in row) for row in rows)
+        input_ids = np.zeros((len(rows), width), dtype=np.int64)
+        positions = np.zeros_like(input_ids)
+        segments = np.zeros_like(input_ids)  # 0: padding after a row's texts
+        places = [(0, 0, 0)] * len(ids)  # each text's row, start and length
+        for r, row in enumerate(rows):
+            start = 0
+            for segment, i in enumerate(row, start=1):
+                n = len(ids[i])
+                input_ids[r, start : start + n] = ids[i]
+                positions[r, start : start + n] = np.arange(n)
+                segments[r, start : start + n] = segment
+                places[i] = (r, start, n)
+                start += n
+        tensors = {"input_ids": input_ids, "position_ids": positions, "segment_ids": segments}
+        hidden = session({name: torch.from_numpy(values) for name, values in tensors.items()}).numpy()
+        pooled = np.stack([hidden[r, start : start + n].mean(axis=0) for r, start, n in places])
+        return l2_normalized(pooled.astype(np.float32, copy=False))
+
     def _torch_pass(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return self._model(**tensors).last_hidden_state
+        names = ("input_ids", "token_type_ids", "attention_mask")
+        return self._model(**{name: tensors[name] for name in names}).last_hidden_state
 
     def export_plan(self) -> ExportPlan:
-        encoded = self._tokenizer(["probe", "a longer probe message"], padding=True, return_tensors="pt")
-        names = list(encoded.keys())
-        dynamic = {name: {0: "batch", 1: "tokens"} for name in [*names, "output"]}
-        return ExportPlan(NamedOutput(self._model, names, "last_hidden_state"), dict(encoded), dynamic)
+        # Two rows: two texts packed in the first, one and its padding in the second.
+        first = self._tokenizer(["probe", "a longer probe message"])["input_ids"]
+        second = self._tokenizer(["ok"])["input_ids"][0]
+        width = len(first[0]) + len(first[1])
+        ids, positions, segments = (torch.zeros((2, width), dtype=torch.long) for _ in range(3))
+        for r, row in enumerate([first, [second]]):
+            start = 0
+            for segment, tokens in enumerate(row, start=1):
+                ids[r, start : start + len(tokens)] = torch.tensor(tokens)
+                positions[r, start : start + len(tokens)] = torch.arange(len(tokens))
+                segments[r, start : start + len(tokens)] = segment
+                start += len(tokens)
+        example = dict(zip(GRAPH_INPUTS, (ids, positions, segments), strict=True))
+        dynamic = {name: {0: "batch", 1: "tokens"} for name in [*GRAPH_INPUTS, "output"]}
+        return ExportPlan(SegmentedEncoder(self._model), example, dynamic)
 
     def probe_inputs(self) -> list[CanonicalText]:
         messages = [phrases[0] for phrases in self.intents.examples] + list(PROBE_MESSAGES)
@@ -233,6 +291,44 @@ class TextClassifier(BackendSeam):
         embeddings = self._embed([item.text for item in inputs])
         logits = embeddings @ self._centroids.T / np.float32(self.intents.temperature)
         return top_predictions(logits, self.intents.names, self.top_k)
+
+
+class SegmentedEncoder(torch.nn.Module):
+    """The transformer over rows that may each hold several texts (the exported graph):
+    `segment_ids` numbers a row's texts from 1 (0: padding), and a token attends only to the
+    tokens of its own segment; `position_ids` restart at each text. So each text's hidden
+    states are those it has alone (within float rounding), and a row of one text and its
+    padding (segment ids as the attention mask, positions 0..n) is a plain padded batch."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.eval()  # the exporter restores the flags it found: eval is what they must be
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: torch.Tensor
+    ) -> torch.Tensor:
+        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # batch x 1 x tokens x tokens
+        return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                          token_type_ids=torch.zeros_like(input_ids)).last_hidden_state  # fmt: skip
+
+
+def packed_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """The texts (indices into `lengths`) of each row: the longest first, each into the first
+    row with room for it (first-fit decreasing); a row holds up to `row_tokens` tokens, or one
+    longer text."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        place = next((r for r, left in enumerate(room) if left >= n), None)
+        if place is None:
+            rows.append([i])
+            room.append(max(0, row_tokens - n))
+        else:
+            rows[place].append(i)
+            room[place] -= n
+    return rows
 
 
 def l2_normalized(rows: np.ndarray) -> np.ndarray:
