@@ -80,6 +80,111 @@ def test_the_built_ins_serve_on_onnxruntime_with_torchs_answers(real_models: dic
     assert_same(reference, answers)
 
 
+def test_the_text_model_packs_messages_into_rows_with_torchs_answers(real_models: dict[str, Any],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On onnxruntime a batch of messages runs as rows of several messages each, without
+    padding between them (engine.models.text.SegmentedEncoder): every message's answer is its
+    answer on torch's padded batch, and alone, whatever its neighbours' lengths; a message
+    longer than a row, or than the model's 256 tokens, is a row of its own."""
+    from engine.models.text import GRAPH_INPUTS, PACKED_ROW_TOKENS
+
+    text = real_models["text"]
+    session = text._onnx
+    assert session.inputs == GRAPH_INPUTS
+    shapes: list[tuple[int, ...]] = []
+    run = type(session).__call__
+
+    def recorded(self: Any, tensors: Any) -> Any:
+        shapes.append(tuple(tensors["input_ids"].shape))
+        return run(self, tensors)
+
+    messages = [text.canonicalize(m) for m in HELD_OUT_MESSAGES]
+    messages += [text.canonicalize(f"order {k}: " + "where is it " * (k % 7)) for k in range(30)]
+    messages.append(text.canonicalize("my parcel is late " * 80))  # past 256 tokens: truncated alike
+    with on_torch(text):
+        padded = text.predict_batch(messages)
+        alone = [text.predict_batch([m])[0] for m in messages[:8]]
+    monkeypatch.setattr(type(session), "__call__", recorded)  # each pass's shape noted
+    packed = text.predict_batch(messages)
+    monkeypatch.undo()
+    assert_same(padded, packed)
+    assert_same(alone, packed[:8])
+    assert len(shapes) == 1
+    rows, width = shapes[0]
+    assert rows < len(messages) // 4  # many messages to a row
+    assert width == 256 and rows >= 2  # the long one alone, the rest padded to its width
+    assert packed_rows_hold(PACKED_ROW_TOKENS)
+
+
+def packed_rows_hold(row_tokens: int) -> bool:
+    """engine.models.text.packed_rows on random lengths: every text in exactly one row, a row
+    over `row_tokens` only with one text in it, and no row's texts would have fit in the room
+    an earlier row has left (first fit)."""
+    import random
+
+    from engine.models.text import packed_rows
+
+    draw = random.Random(11)
+    for _ in range(200):
+        count = draw.randint(1, 40)
+        lengths = [draw.choice([draw.randint(1, 40), draw.randint(100, 300)]) for _ in range(count)]
+        rows = packed_rows(lengths, row_tokens)
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        for row in rows:
+            assert len(row) == 1 or sum(lengths[i] for i in row) <= row_tokens
+        rooms = [max(0, row_tokens - sum(lengths[i] for i in row)) for row in rows]
+        for r, row in enumerate(rows):  # rooms only shrink: a later row's text never fits an earlier one's
+            assert all(lengths[i] > room for i in row for room in rooms[:r])
+    assert packed_rows([20, 130, 5, 100, 30, 300], 128) == [[5], [1], [3, 0, 2], [4]]
+    return True
+
+
+def test_a_text_export_of_the_padded_layout_is_served_padded_and_made_again(
+    real_models: dict[str, Any], base_settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A graph of the layout before packed rows (token ids, token types, attention mask; a
+    remote server's model repository made then, or an export kept from then) gets padded
+    batches with torch's answers; kept in the export folder, it is exported again once."""
+    import onnx
+
+    from engine.models.onnx_backend import ExportPlan, NamedOutput, OnnxForward, export_bytes
+    from runtime import load_models
+
+    text = real_models["text"]
+    with on_torch(text):
+        module = text._torch_module or text._load_torch_module()
+        messages = [text.canonicalize(m) for m in HELD_OUT_MESSAGES]
+        reference = text.predict_batch(messages)
+    encoded = text._tokenizer(["probe", "a longer probe message"], padding=True, return_tensors="pt")
+    names = list(encoded.keys())
+    dynamic = {name: {0: "batch", 1: "tokens"} for name in [*names, "output"]}
+    plan = ExportPlan(NamedOutput(module, names, "last_hidden_state"), dict(encoded), dynamic)
+    state = {k: v for k, v in text.export_state().items() if k != "layout"}
+    old = export_bytes(plan, {**state, "model_version": text.version})
+    session, fallback = text._onnx, text._fallback
+    text.use_onnx(OnnxForward(old, threads=1), fallback=False)
+    try:
+        assert_same(reference, text.predict_batch(messages))
+    finally:
+        text.use_onnx(session, fallback=fallback)
+
+    exports = tmp_path / "onnx"
+    path = export_path(exports, text.name, text.version)
+    graph = onnx.load_from_string(old)
+    probe = onnx.load(str(export_path(base_settings.export_dir, text.name, text.version)),
+                      load_external_data=False)  # fmt: skip
+    kept = {p.key: p.value for p in probe.metadata_props if p.key != "layout"}  # the probe's answers
+    onnx.helper.set_model_props(graph, {**kept, **state, "model_version": text.version})
+    path.parent.mkdir(parents=True)
+    path.write_bytes(graph.SerializeToString())
+    caplog.set_level(logging.INFO, logger=onnx_backend.__name__)
+    settings = base_settings.changed(server__data_dir=tmp_path / "data", models__onnx_export_dir=exports)
+    again = load_models(settings)
+    assert "predates the layout it now keeps" in caplog.text
+    assert again["text"]._onnx.inputs == ("input_ids", "position_ids", "segment_ids")
+    assert_same(reference, again["text"].predict_batch(messages))
+
+
 def test_concurrent_passes_on_one_session_are_each_right(real_models: dict[str, Any],
                                                           photo_bytes: Callable[[str], bytes]) -> None:
     image = real_models["image"]

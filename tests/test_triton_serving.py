@@ -114,7 +114,7 @@ def test_the_repository_holds_the_exported_graph_and_the_app_s_versions(
         assert [o.name for o in config.output] == ["output"] == [t.name for t in outputs]
     image, text = (parsed_config(folder / task) for task in ("image", "text"))
     assert [tuple(i.dims) for i in image.input] == [(3, 224, 224)] and tuple(image.output[0].dims) == (1000,)
-    assert [i.name for i in text.input] == ["input_ids", "token_type_ids", "attention_mask"]
+    assert [i.name for i in text.input] == ["input_ids", "position_ids", "segment_ids"]  # GRAPH_INPUTS
     assert {model_config_pb2.DataType.Name(i.data_type) for i in text.input} == {"TYPE_INT64"}
     assert tuple(text.output[0].dims) == (-1, 384)
 

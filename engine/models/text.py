@@ -7,6 +7,10 @@ Only the transformer runs on the backend (torch or onnxruntime, `_pass`); tokens
 scores are numpy on the CPU (engine.models.base.top_predictions): a few microsecond-sized array
 operations where torch's dispatch of each small op cost ~0.55 ms a message beside a ~6 ms
 onnxruntime pass (measured in a serving process, whose caches the pass has just cleared).
+
+The exported graph (SegmentedEncoder) takes rows that may each hold several messages: on
+onnxruntime a pass's messages are packed without padding between them (`_embed_packed`);
+torch, and a model server serving the export, get padded rows of one message each.
 """
 
 from __future__ import annotations
