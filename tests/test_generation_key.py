@@ -12,6 +12,7 @@ import redis
 from engine.cache.generation import RedisGeneration, restore_generation_key
 from storage.breaker import CircuitBreaker
 from storage.redis.embedded import EmbeddedRedis
+from storage.redis.fleet import FleetKeys, FleetRedis
 from storage.redis.store import RedisStore, make_client
 
 pytestmark = pytest.mark.redis
@@ -102,3 +103,28 @@ def test_a_first_start_on_an_empty_redis_begins_at_zero(store: RedisStore, direc
         direct.delete(KEY)
     assert _replica(store).refresh() == 0
     assert direct.get(KEY) == b"0"
+
+
+def test_replicas_lifting_a_lost_key_at_once_agree_on_its_value(
+    store: RedisStore, direct: redis.Redis
+) -> None:
+    """Two replicas' fleet members and a generation watcher that find the key gone at once
+    (each read it as missing before any wrote it back) all write back the generation they saw,
+    never more: a generation past the bumped one would retire every cached entry. The fleet
+    epoch is lifted the same way."""
+    fleet = FleetRedis(store, keys=FleetKeys("infcache"))
+    assert fleet.keys.generation == KEY
+    direct.set(KEY, 4)
+    watcher = _replica(store)
+    assert watcher.refresh() == 4
+    direct.delete(KEY)
+    assert fleet.read_counters()[0] == 0  # what both members read before either lifts it
+    assert fleet.raise_counter(KEY, 4) == 4  # replica A's member
+    assert fleet.raise_counter(KEY, 4) == 4  # replica B's, on its stale read
+    assert watcher.refresh() == 4  # and the watcher
+    assert direct.get(KEY) == b"4"
+    direct.set(KEY, 6)  # a bump elsewhere meanwhile: never lowered
+    assert fleet.raise_counter(KEY, 4) == 6 and direct.get(KEY) == b"6"
+    direct.delete(fleet.keys.epoch)
+    assert [fleet.raise_counter(fleet.keys.epoch, 9) for _ in range(2)] == [9, 9]
+    assert fleet.read_counters() == (6, 9)

@@ -13,24 +13,11 @@ from collections.abc import Callable
 
 from common.background import BackgroundThread
 from engine.errors import CacheUnavailableError
-from storage.redis.store import RedisStore
+from storage.redis.store import RAISE_TO_FLOOR_SCRIPT, RedisStore
 
 log = logging.getLogger(__name__)
 
 GenerationListener = Callable[[int, int], None]
-
-# Atomically: the key becomes at least ARGV[1]; returns its value. Idempotent, so replicas
-# that notice the loss at once agree, and a bump (INCR) racing it only ever adds.
-_RAISE_TO_FLOOR = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
-local floor = tonumber(ARGV[1])
-if current < floor then
-  redis.call('SET', KEYS[1], ARGV[1])
-  return floor
-end
-return current
-"""
-
 
 def restore_generation_key(store: RedisStore, key: str, seen: int) -> int:
     """The generation key is the one key without a TTL, yet any eviction policy
@@ -38,7 +25,7 @@ def restore_generation_key(store: RedisStore, key: str, seen: int) -> int:
     it, and INCR or a plain read would then start again from 0, serving entries a bump had
     retired. A replica that finds it missing (or lower than it has seen) writes back the
     highest generation it has seen; returns the value now in Redis."""
-    value = int(store.call(lambda: store.client.eval(_RAISE_TO_FLOOR, 1, key, seen)))
+    value = int(store.call(lambda: store.client.eval(RAISE_TO_FLOOR_SCRIPT, 1, key, seen)))
     if value == seen and seen > 0:  # (absent at 0 is a new deployment's first start)
         log.warning("the generation key %s was missing or behind; restored to %s", key, seen)
     return value

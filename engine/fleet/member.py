@@ -327,7 +327,7 @@ class FleetMember:
             if shared_generation < local:  # Redis lost it: put it back rather than go back
                 log.warning("shared generation %s is behind this replica's %s: lifting it",
                             shared_generation, local)  # fmt: skip
-                self._redis.raise_counter(self._redis.keys.generation, local - shared_generation)
+                self._redis.raise_counter(self._redis.keys.generation, local)
             else:
                 self._generation.observe(shared_generation)
             self._confirmations.confirm()
@@ -337,7 +337,7 @@ class FleetMember:
                 if applied is not None:
                     self._beat()
             elif epoch < applied:
-                self._redis.raise_counter(self._redis.keys.epoch, applied - epoch)
+                self._redis.raise_counter(self._redis.keys.epoch, applied)
         except CacheUnavailableError:
             return
 
@@ -355,7 +355,7 @@ class FleetMember:
         _, epoch = self._redis.read_counters()
         applied = self._epoch.applied
         if applied is not None and epoch < applied:
-            self._redis.raise_counter(self._redis.keys.epoch, applied - epoch)
+            self._redis.raise_counter(self._redis.keys.epoch, applied)
 
     # ---- heartbeats and acknowledgements ------------------------------------------------
 

@@ -25,7 +25,7 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from storage.errors import CacheUnavailableError
-from storage.redis.store import RedisStore
+from storage.redis.store import RAISE_TO_FLOOR_SCRIPT, RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +168,12 @@ class FleetRedis:
         generation, epoch = self._direct(pipelined)
         return int(generation or 0), int(epoch or 0)
 
-    def raise_counter(self, key: str, by: int) -> int:
-        """Lift a counter that went back (a Redis restarted without its data) past what the
-        replicas already saw. Two replicas doing it at once overshoot, which is harmless:
-        these counters only need to grow."""
-        return int(self._direct(lambda: self._client.incrby(key, by)))
+    def raise_counter(self, key: str, floor: int) -> int:
+        """Lift a counter that went back (evicted, a Redis restarted without its data) to
+        `floor`, what this replica already saw; one that is there already is left as it is.
+        Idempotent: replicas lifting it at once (and the generation watcher,
+        engine.cache.generation) agree on the value, never overshoot it. Returns its value."""
+        return int(self._direct(lambda: self._client.eval(RAISE_TO_FLOOR_SCRIPT, 1, key, floor)))
 
     def next_epoch(self) -> int:
         return int(self._direct(lambda: self._client.incr(self.keys.epoch)))

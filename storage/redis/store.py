@@ -27,6 +27,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCAN_BATCH = 500
+# Atomically: the counter at KEYS[1] becomes at least ARGV[1]; returns its value. Idempotent,
+# so replicas that notice a lost counter at once agree (an INCRBY each would overshoot, and a
+# generation past the one operators bumped to retires every cached entry).
+RAISE_TO_FLOOR_SCRIPT = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local floor = tonumber(ARGV[1])
+if current < floor then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return floor
+end
+return current
+"""
 _BREAKER_ORDER = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
