@@ -116,6 +116,11 @@ def test_a_repeated_head_is_taken_apart_once_and_every_body_checked(monkeypatch)
     assert reader.read(data) == first and len(heads) == 4  # another head, then the first again
     get = b"GET /gradio_api/call/f/1 HTTP/1.1\r\nHost: x\r\n\r\n"
     assert reader.read(get).method == "GET" and reader.read(get + b"{}") is None
+    # A long head is read, but not kept: an idle connection holds a few hundred bytes at most.
+    long_head = post(headers=b"X-Padding: %b\r\n" % (b"p" * 3000))
+    heads.clear()
+    assert [reader.read(long_head) is not None for _ in range(2)] == [True, True] and len(heads) == 2
+    assert reader.read(get) is not None and len(heads) == 2  # the short head kept before it
 
 
 @pytest.fixture

@@ -46,10 +46,15 @@ def read_simple_request(
     return None if head is None else head.request(data[end + 4 :], max_body_bytes)
 
 
+# A head kept by a connection is at most this long (a machine client's is a few hundred bytes):
+# idle connections with heads up to the server's limit (32 KiB) must not each hold one.
+KEPT_HEAD_BYTES = 2048
+
+
 class SimpleRequestReader:
     """`read_simple_request` for one connection, with its limits: a client that repeats a
     request (the cached hits of a machine client) sends the same head each time, which is
-    taken apart once; the body is checked against it every time."""
+    taken apart once (up to KEPT_HEAD_BYTES); the body is checked against it every time."""
 
     __slots__ = ("_head", "_limits", "_taken")
 
@@ -70,7 +75,8 @@ class SimpleRequestReader:
             taken = _read_head(data, end, max_url_bytes=max_url_bytes, max_headers=max_headers)
             if taken is None:
                 return None
-            self._head, self._taken = data[:end], taken
+            if end <= KEPT_HEAD_BYTES:
+                self._head, self._taken = data[:end], taken
         return taken.request(data[end + 4 :], max_body_bytes)
 
 
