@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 # `defer(function, *args)`: runs the function later, in order (an event loop's `call_soon`).
 Defer = Callable[..., object]
 
+
 class InferenceEngine:
     """Classifies through the tiered cache. Thread-safe; one per process."""
 
