@@ -39,11 +39,9 @@ def read_simple_request(
     data: bytes, *, max_head_bytes: int, max_url_bytes: int, max_headers: int, max_body_bytes: int
 ) -> SimpleRequest | None:
     """The request that `data` holds whole and alone, when it is simple (see the module); else None."""
-    end = data.find(b"\r\n\r\n")
-    if end < 0 or end > max_head_bytes:
-        return None
-    head = _read_head(data, end, max_url_bytes=max_url_bytes, max_headers=max_headers)
-    return None if head is None else head.request(data[end + 4 :], max_body_bytes)
+    reader = SimpleRequestReader(max_head_bytes=max_head_bytes, max_url_bytes=max_url_bytes,
+                                 max_headers=max_headers, max_body_bytes=max_body_bytes)  # fmt: skip
+    return reader.read(data)
 
 
 # A head kept by a connection is at most this long (a machine client's is a few hundred bytes):

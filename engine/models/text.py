@@ -231,23 +231,8 @@ class TextClassifier(BackendSeam):
         fifth of it for support messages of 9-27 tokens), and one row of them makes larger
         matrix products. Each text's hidden states are those it has alone (SegmentedEncoder)."""
         ids = self._tokenizer(list(texts), truncation=True, max_length=MAX_TOKENS)["input_ids"]
-        rows = packed_rows([len(one) for one in ids], PACKED_ROW_TOKENS)
-        width = max(sum(len(ids[i]) for i in row) for row in rows)
-        input_ids = np.zeros((len(rows), width), dtype=np.int64)
-        positions = np.zeros_like(input_ids)
-        segments = np.zeros_like(input_ids)  # 0: padding after a row's texts
-        places = [(0, 0, 0)] * len(ids)  # each text's row, start and length
-        for r, row in enumerate(rows):
-            start = 0
-            for segment, i in enumerate(row, start=1):
-                n = len(ids[i])
-                input_ids[r, start : start + n] = ids[i]
-                positions[r, start : start + n] = np.arange(n)
-                segments[r, start : start + n] = segment
-                places[i] = (r, start, n)
-                start += n
-        tensors = {"input_ids": input_ids, "position_ids": positions, "segment_ids": segments}
-        hidden = session({name: torch.from_numpy(values) for name, values in tensors.items()}).numpy()
+        arrays, places = packed_arrays(ids, packed_rows([len(one) for one in ids], PACKED_ROW_TOKENS))
+        hidden = session({name: torch.from_numpy(values) for name, values in arrays.items()}).numpy()
         pooled = np.stack([hidden[r, start : start + n].mean(axis=0) for r, start, n in places])
         return l2_normalized(pooled.astype(np.float32, copy=False))
 
@@ -257,18 +242,9 @@ class TextClassifier(BackendSeam):
 
     def export_plan(self) -> ExportPlan:
         # Two rows: two texts packed in the first, one and its padding in the second.
-        first = self._tokenizer(["probe", "a longer probe message"])["input_ids"]
-        second = self._tokenizer(["ok"])["input_ids"][0]
-        width = len(first[0]) + len(first[1])
-        ids, positions, segments = (torch.zeros((2, width), dtype=torch.long) for _ in range(3))
-        for r, row in enumerate([first, [second]]):
-            start = 0
-            for segment, tokens in enumerate(row, start=1):
-                ids[r, start : start + len(tokens)] = torch.tensor(tokens)
-                positions[r, start : start + len(tokens)] = torch.arange(len(tokens))
-                segments[r, start : start + len(tokens)] = segment
-                start += len(tokens)
-        example = dict(zip(GRAPH_INPUTS, (ids, positions, segments), strict=True))
+        ids = self._tokenizer(["probe", "a longer probe message", "ok"])["input_ids"]
+        arrays, _ = packed_arrays(ids, [[0, 1], [2]])
+        example = {name: torch.from_numpy(arrays[name]) for name in GRAPH_INPUTS}
         dynamic = {name: {0: "batch", 1: "tokens"} for name in [*GRAPH_INPUTS, "output"]}
         return ExportPlan(SegmentedEncoder(self._model), example, dynamic)
 
@@ -333,6 +309,28 @@ def packed_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
             rows[place].append(i)
             room[place] -= n
     return rows
+
+
+def packed_arrays(
+    ids: Sequence[Sequence[int]], rows: Sequence[Sequence[int]]
+) -> tuple[dict[str, np.ndarray], list[tuple[int, int, int]]]:
+    """The graph's inputs (GRAPH_INPUTS, rows x the longest row's tokens) for the token ids of
+    each text placed in `rows` (indices into `ids`), and each text's (row, start, length)."""
+    width = max(sum(len(ids[i]) for i in row) for row in rows)
+    input_ids = np.zeros((len(rows), width), dtype=np.int64)
+    positions = np.zeros_like(input_ids)
+    segments = np.zeros_like(input_ids)  # 0: padding after a row's texts
+    places = [(0, 0, 0)] * len(ids)
+    for r, row in enumerate(rows):
+        start = 0
+        for segment, i in enumerate(row, start=1):
+            n = len(ids[i])
+            input_ids[r, start : start + n] = ids[i]
+            positions[r, start : start + n] = np.arange(n)
+            segments[r, start : start + n] = segment
+            places[i] = (r, start, n)
+            start += n
+    return dict(zip(GRAPH_INPUTS, (input_ids, positions, segments), strict=True)), places
 
 
 def l2_normalized(rows: np.ndarray) -> np.ndarray:
