@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from engine.capacity.batching import MicroBatcher
+from engine.capacity import batching
+from engine.capacity.batching import MicroBatcher, batch_share
 from engine.models.base import Prediction
 
 
@@ -39,15 +40,18 @@ class GatedModel:
             self.running += 1
             self.most_running = max(self.most_running, self.running)
         try:
-            if "hold" in inputs:
-                self.holding.set()
-                assert self.gate.wait(10), "the test never released the held pass"
+            self.hold(inputs)
             if "bad" in inputs:
                 raise ValueError("a bad input in the batch")
             return [Prediction(((item, float(len(item))),)) for item in inputs]
         finally:
             with self._lock:
                 self.running -= 1
+
+    def hold(self, inputs: Sequence[str]) -> None:
+        if "hold" in inputs:
+            self.holding.set()
+            assert self.gate.wait(10), "the test never released the held pass"
 
 
 @pytest.fixture
@@ -160,7 +164,8 @@ def test_with_two_passes_a_miss_starts_beside_a_running_pass_and_later_ones_shar
     for future in held:
         assert future.result(10).batch_size == 1
     assert [f.result(10).prediction.labels for f in waiting] == [(("a", 1.0),), (("b", 1.0),), (("c", 1.0),)]
-    assert ["a", "b", "c"] in model.batches  # the waiting ones shared the next pass
+    later = model.batches[2:]  # the waiting ones shared the next passes (one, or both when both were free)
+    assert sorted(text for batch in later for text in batch) == ["a", "b", "c"] and len(later) <= 2
     assert model.most_running == 2
 
 
@@ -208,3 +213,84 @@ def test_a_batching_model_on_onnxruntime_runs_its_miss_limit_of_passes_at_once_a
     model.gate.set()
     for future in held:
         assert future.result(10).prediction.labels == (("hold", 4.0),)
+
+
+def test_waiting_misses_are_shared_out_evenly_among_the_free_passes() -> None:
+    assert batch_share(8, 2, 8) == 4  # two passes of four, not one of eight beside an idle one
+    assert batch_share(3, 2, 8) == 2
+    assert batch_share(9, 2, 4) == 4  # never past max_batch
+    assert batch_share(5, 1, 8) == 5
+    assert batch_share(1, 2, 8) == 1
+
+
+class NamedGates(GatedModel):
+    """GatedModel where an input "hold:<name>" waits for `release(name)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[str, threading.Event] = {}
+
+    def release(self, name: str) -> None:
+        self.gates.setdefault(name, threading.Event()).set()
+
+    def hold(self, inputs: Sequence[str]) -> None:
+        for item in inputs:
+            if item.startswith("hold:"):
+                self.holding.set()
+                assert self.gates.setdefault(item[5:], threading.Event()).wait(10), "never released"
+
+
+@pytest.fixture
+def gated() -> Iterator[NamedGates]:
+    model = NamedGates()
+    yield model
+    for gate in list(model.gates.values()):
+        gate.set()
+
+
+def a_pass_of(batcher: MicroBatcher, model: NamedGates, pool: Any, texts: Sequence[str]) -> None:
+    """With a held pass running beside "hold:h", `texts` queue up; the held pass ends and they
+    run as one pass, which ends while "hold:h" still runs."""
+    gate = f"before {texts[0]}"
+    pool.submit(batcher.predict, f"hold:{gate}")
+    wait_for(lambda: model.running == 2, "two passes never ran at once")
+    futures = [pool.submit(batcher.predict, text) for text in texts]
+    wait_until_queued(batcher, len(texts))
+    model.release(gate)
+    assert [f.result(10).batch_size for f in futures] == [len(texts)] * len(texts)
+
+
+def test_a_lone_miss_beside_a_running_pass_waits_for_the_ended_passes_other_clients(
+    gated: NamedGates, pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a pass of several inputs, their clients' next misses arrive one by one: the first,
+    with a pass free but another running, waits (up to COMPANION_WAIT_S) and they share a pass."""
+    monkeypatch.setattr(batching, "COMPANION_WAIT_S", 5.0)  # room for a slow machine
+    batcher = MicroBatcher(gated, max_batch=8, passes=2)
+    held = pool.submit(batcher.predict, "hold:h")
+    assert gated.holding.wait(10)
+    a_pass_of(batcher, gated, pool, ["q1", "q2"])
+    first = pool.submit(batcher.predict, "r1")
+    wait_until_queued(batcher, 1)  # waiting, though a pass is free
+    second = pool.submit(batcher.predict, "r2")
+    assert first.result(10).batch_size == second.result(10).batch_size == 2
+    assert ["r1", "r2"] in gated.batches
+    gated.release("h")
+    held.result(10)
+
+
+def test_a_lone_miss_never_waits_after_a_pass_of_one_nor_on_an_idle_model(
+    gated: NamedGates, pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two clients (passes of one each), or nothing running: no companion is coming, a miss starts at once."""
+    monkeypatch.setattr(batching, "COMPANION_WAIT_S", 30.0)  # a wait would show as a timeout
+    batcher = MicroBatcher(gated, max_batch=8, passes=2)
+    held = pool.submit(batcher.predict, "hold:h")
+    assert gated.holding.wait(10)
+    a_pass_of(batcher, gated, pool, ["q1"])
+    assert pool.submit(batcher.predict, "alone").result(5).batch_size == 1
+    a_pass_of(batcher, gated, pool, ["q2", "q3"])
+    gated.release("h")
+    held.result(10)
+    wait_for(lambda: gated.running == 0, "the passes never ended")
+    assert pool.submit(batcher.predict, "idle").result(5).batch_size == 1
