@@ -37,6 +37,7 @@ from bench.models import format_table
 from engine.models.base import Classifier
 from engine.models.config import DEFAULT_SPECS
 from engine.models.loader import load_all
+from process_setup import resume_collector
 from runtime import Runtime, build_runtime, load_options
 from settings import Settings
 
@@ -80,6 +81,10 @@ def runtimes(work: Path, models: Mapping[str, Mapping[str, Classifier]]) -> Iter
         for name, loaded in models.items():
             built[name] = build_runtime(base.changed(server__data_dir=work / name), models=dict(loaded))
             stack.callback(built[name].close)
+        # As app.py once ready: what start-up built is kept out of the collector's scans. Without
+        # it every full collection walks both apps' models (torch's modules, the tokenizers), a
+        # cost the served process never pays, charged to whichever app's miss triggered it.
+        resume_collector()
         yield built
 
 
