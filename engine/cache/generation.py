@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 GenerationListener = Callable[[int, int], None]
 
+
 def restore_generation_key(store: RedisStore, key: str, seen: int) -> int:
     """The generation key is the one key without a TTL, yet any eviction policy
     (`allkeys-lru`, `allkeys-random`...) or a Redis restarted without its data can remove
